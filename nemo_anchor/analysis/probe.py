@@ -1,0 +1,138 @@
+"""The BF16 RoPE probe: Figure 1 of Wang et al. for one model, in bf16, in fp32 and re-initialised.
+
+For each variant the probe averages over sequences:
+- ``D``: shift ``Δ1`` -> ``D(X, Δ1, Δ2)`` of Eq. 4 with ``Δ2 = reference_shift`` (Figure 1, left);
+- ``per_token``: the per-key differences between ``Δ1 = 0`` and ``Δ2`` (Figure 1, middle);
+- ``D_logit``: sequence length -> ``D_logit`` of Eq. 5 between ``0`` and ``Δ2`` (Figure 1, right).
+
+Variants: ``bf16`` and ``fp32`` load the same weights in that dtype; ``random_bf16`` is a seeded
+random initialisation of the same configuration in bf16, its linear layers drawn with PyTorch's
+default ``kaiming_uniform_`` as in the paper.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from nemo_anchor.analysis.shift_metrics import attention_shift_difference, first_token_logit_difference
+from nemo_anchor.evaluation.corpus import read_token_windows
+from nemo_anchor.evaluation.models import load_model
+
+PAPER_SHIFTS = (0, 2, 4, 6, 8, 10, 12, 14, 15, 17, 18, 20, 22, 50, 100, 200, 500, 1000, 2000)
+PAPER_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+VARIANTS = ("bf16", "fp32", "random_bf16")
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What to measure. The paper uses 50 sequences of 4096 tokens."""
+
+    num_sequences: int = 8
+    sequence_length: int = 1024
+    shifts: tuple[int, ...] = PAPER_SHIFTS
+    reference_shift: int = 16
+    lengths: tuple[int, ...] = PAPER_LENGTHS
+    max_length: int = 8192
+    variants: tuple[str, ...] = VARIANTS
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = sorted(set(self.variants) - set(VARIANTS))
+        if unknown or not self.variants:
+            raise ValueError(f"variants must be a non-empty subset of {VARIANTS}, got {list(self.variants)}")
+        if self.num_sequences < 1 or self.sequence_length < 2:
+            raise ValueError(f"need >= 1 sequence of >= 2 tokens, got {self.num_sequences} x {self.sequence_length}")
+        if min(self.shifts, default=0) < 0 or self.reference_shift < 0:
+            raise ValueError(f"shifts must be >= 0, got {list(self.shifts)} and reference {self.reference_shift}")
+
+    def logit_lengths(self, model_max_length: int | None) -> list[int]:
+        """The ``D_logit`` lengths kept: at most ``max_length`` and the model's maximum length."""
+        cap = min(self.max_length, model_max_length or self.max_length)
+        return [length for length in self.lengths if 2 <= length <= cap]
+
+
+def random_init_copy(config, *, dtype: torch.dtype, seed: int):
+    """A randomly initialised model of ``config`` in ``dtype``, reproducible from ``seed``.
+
+    The decoder's linear layers are redrawn with PyTorch's default ``kaiming_uniform_`` (the
+    paper's random baseline); embeddings and norms keep the HF initialisation. The global RNG is
+    left untouched.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        for module in model.get_decoder().modules():
+            if isinstance(module, torch.nn.Linear):
+                module.reset_parameters()
+    return model.eval()
+
+
+def probe_model(model, sequences: torch.Tensor, settings: ProbeSettings, logit_lengths: Sequence[int], progress=None) -> dict:
+    """Measure one model on ``sequences`` (int64 ``[N, >= max(sequence_length, *logit_lengths)]``).
+
+    Returns ``{"D": {str(Δ1): float}, "per_token": [float] * sequence_length, "D_logit": {str(T): float}}``,
+    each averaged over the N sequences.
+    """
+    rows = [*settings.shifts, 0]  # Δ1 = 0 is always measured: it is the per-token panel
+    differences = torch.zeros(len(rows), settings.sequence_length, dtype=torch.float64)
+    logit_differences = torch.zeros(len(logit_lengths), dtype=torch.float64)
+    for sequence in sequences:
+        differences += attention_shift_difference(model, sequence[: settings.sequence_length], rows, settings.reference_shift)
+        _advance(progress)
+        for index, length in enumerate(logit_lengths):
+            logit_differences[index] += first_token_logit_difference(model, sequence[:length], 0, settings.reference_shift)
+            _advance(progress)
+    differences /= len(sequences)
+    logit_differences /= len(sequences)
+    return {
+        "D": {str(shift): differences[index].sum().item() for index, shift in enumerate(settings.shifts)},
+        "per_token": differences[-1].tolist(),
+        "D_logit": {str(length): value.item() for length, value in zip(logit_lengths, logit_differences)},
+    }
+
+
+def run_probe(
+    model_path: str | Path, sources: Sequence[str | Path], settings: ProbeSettings, *, device="cpu", text_key="text"
+) -> tuple[dict, dict]:
+    """Probe every variant of the model at ``model_path`` on sequences read from ``sources``.
+
+    Returns ``(results, metadata)``: ``results[variant]`` is :func:`probe_model`'s mapping, for the
+    variants in ``settings.variants``; ``metadata`` records the settings and inputs actually used.
+    """
+    pretrained_bf16, tokenizer = load_model(model_path, dtype=torch.bfloat16, device=device)
+    config = pretrained_bf16.config
+    logit_lengths = settings.logit_lengths(getattr(config, "max_position_embeddings", None))
+    window = max([settings.sequence_length, *logit_lengths])
+    sequences = read_token_windows(sources, tokenizer, num_windows=settings.num_sequences, length=window, text_key=text_key)
+
+    results = {}
+    steps = len(settings.variants) * settings.num_sequences * (1 + len(logit_lengths))
+    with tqdm(total=steps, desc="probe", unit="pass") as progress:
+        for variant in settings.variants:
+            progress.set_postfix_str(variant)
+            if variant == "bf16":
+                model = pretrained_bf16
+            elif variant == "fp32":
+                model, _ = load_model(model_path, dtype=torch.float32, device=device)
+            else:
+                model = random_init_copy(config, dtype=torch.bfloat16, seed=settings.seed).to(device)
+            results[variant] = probe_model(model, sequences, settings, logit_lengths, progress)
+    metadata = {
+        "model": str(model_path),
+        "inputs": [str(source) for source in sources],
+        "settings": asdict(settings),
+        "logit_lengths": logit_lengths,
+        "device": str(device),
+    }
+    return results, metadata
+
+
+def _advance(progress) -> None:
+    if progress is not None:
+        progress.update(1)

@@ -1,0 +1,127 @@
+"""``anchor_attention``: the functional API over the attention backends."""
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+
+from nemo_anchor.attention.layout import MODES, layout_blocks
+
+# name -> module implementing `unavailable_reason(q, needs_grad)` and
+# `attention(q, k, v, blocks, q_offset, scale)`; imported on first use
+_BACKEND_MODULES = {name: f"nemo_anchor.attention.{name}" for name in ("reference", "cpu", "flex", "flash", "te")}
+BACKENDS = ("auto", *_BACKEND_MODULES)
+# "auto" takes the first that can run: the GPU kernels, then ours on the CPU, then the oracle
+_AUTO_ORDER = ("flash", "te", "cpu", "flex", "reference")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run for these inputs on this machine."""
+
+
+def anchor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    cu_windows: torch.Tensor | None = None,
+    mode: str = "anchor",
+    backend: str = "auto",
+    softmax_scale: float | None = None,
+    q_offset: int = 0,
+) -> torch.Tensor:
+    """Causal attention over packed windows of documents: full, intra-document, or AnchorAttention.
+
+    Arguments:
+        q: ``(Tq, Hq, D)`` queries, packed THD. Tq == T except with ``q_offset`` (below).
+        k, v: ``(T, Hkv, D)``, with ``Hq % Hkv == 0``: grouped-query heads, not expanded
+            (query head h uses key/value head ``h // (Hq // Hkv)``).
+            q, k, v share one dtype (float32, bfloat16; float16 where the backend allows) and one device.
+        cu_seqlens: ``(num_docs + 1,)`` integer tensor (int32 by convention), the document
+            boundaries ``[0, ..., T]``, strictly increasing.
+        cu_windows: ``(num_windows + 1,)`` integer tensor, the window boundaries, each also in
+            ``cu_seqlens``. None means one window ``[0, T]``. The *anchor* of a window is its
+            first token (BOS, position id 0).
+        mode: which keys the query at packed position p sees (causal, key position <= p):
+            ``"full"``: every key of its window;
+            ``"intra_doc"``: the keys of its document (with reset position ids this is the
+            usual intra-document attention; positions are the model's business);
+            ``"anchor"``: the keys of its document plus its window's anchor. The first document of
+            a window contains the anchor already; documents never see each other otherwise.
+        backend:
+            ``"reference"``: dense mask, fp32 softmax, any device; O(Tq * T) memory: the test oracle.
+            ``"cpu"``: torch's CPU flash kernel per document, the anchor merged through the
+            log-sum-exp; O(T * H * D) memory. CPU tensors.
+            ``"flex"``: FlexAttention with a block mask built once per layout. On the CPU torch has
+            no FlexAttention backward: forward only.
+            ``"flash"``: one flash-attn 2 ``flash_attn_varlen_func`` call (CUDA, fp16/bf16).
+            ``"te"``: Transformer Engine ``DotProductAttention``, THD, bottom-right causal (CUDA).
+            ``"auto"``: the first of flash, te, cpu, flex, reference that can run these inputs.
+        softmax_scale: scale of ``q @ k^T``; default ``D ** -0.5``. Softmax statistics are fp32
+            whatever the input dtype.
+        q_offset: the rows of q are the tokens at packed positions ``[q_offset, q_offset + Tq)``
+            of the sequence described by ``cu_seqlens``/``cu_windows`` over k/v's length T (used
+            by context parallelism); row i of the output is the token at ``q_offset + i``.
+
+    Returns:
+        ``(Tq, Hq, D)`` in the input dtype; differentiable in q, k and v.
+
+    Raises:
+        ValueError: malformed input (shapes, dtypes, devices, boundaries, mode, backend name),
+            naming the offending argument and value.
+        BackendUnavailableError: an explicitly requested backend cannot run here; says why.
+    """
+    _check_tensors(q, k, v, q_offset)
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    blocks = layout_blocks(cu_seqlens, cu_windows, mode, k.shape[0], q_offset, q.shape[0])
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    implementation = _select_backend(backend, q, needs_grad)
+    return implementation.attention(q, k, v, blocks, q_offset, float(softmax_scale))
+
+
+def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a 3-D tensor [tokens, heads, head_dim], got {shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads Hq={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"q, k, v must share one dtype among {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+        raise ValueError(f"q_offset must be an int, got {q_offset!r}")
+    if q.shape[0] == 0 or q_offset < 0 or q_offset + q.shape[0] > k.shape[0]:
+        raise ValueError(
+            f"the query rows [q_offset, q_offset + Tq) = [{q_offset}, {q_offset + q.shape[0]}) must be a "
+            f"non-empty part of the T={k.shape[0]} key positions"
+        )
+
+
+def _select_backend(backend: str, q: torch.Tensor, needs_grad: bool):
+    if backend != "auto":
+        implementation = importlib.import_module(_BACKEND_MODULES[backend])
+        reason = implementation.unavailable_reason(q, needs_grad)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
+        return implementation
+    for name in _AUTO_ORDER:
+        implementation = importlib.import_module(_BACKEND_MODULES[name])
+        if implementation.unavailable_reason(q, needs_grad) is None:
+            return implementation
+    raise AssertionError("the reference backend runs everywhere")

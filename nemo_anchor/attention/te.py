@@ -1,0 +1,48 @@
+"""Transformer Engine backend: ``DotProductAttention`` in THD format, bottom-right causal.
+
+The sequences are those of the flash-attn backend (:class:`nemo_anchor.attention.layout.VarlenPlan`):
+one per query block, keys/values prefixed with the window anchor's where the block has one.
+One TE module per head configuration is kept: it has no parameters, only kernel selection state.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from nemo_anchor import gpu
+from nemo_anchor.attention.layout import varlen_plan
+
+_MASK = "padding_causal_bottom_right"
+
+
+def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
+    te, reason = gpu.transformer_engine_pytorch()
+    if te is None:
+        return reason
+    if not q.is_cuda:
+        return f"Transformer Engine runs on CUDA tensors only, got device {q.device}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"Transformer Engine's fused THD attention supports float16 and bfloat16 only, got {q.dtype}"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _module(te, heads: int, kv_heads: int, head_dim: int, scale: float):
+    return te.DotProductAttention(
+        heads, head_dim, num_gqa_groups=kv_heads, attention_dropout=0.0,
+        qkv_format="thd", attn_mask_type=_MASK, softmax_scale=scale,
+    )
+
+
+def attention(q, k, v, blocks, q_offset, scale):
+    te, _ = gpu.transformer_engine_pytorch()
+    plan = varlen_plan(blocks, q.device)
+    module = _module(te, q.shape[1], k.shape[1], q.shape[2], scale)
+    out = module(
+        query_layer=q, key_layer=k[plan.kv_rows], value_layer=v[plan.kv_rows],
+        qkv_format="thd", attn_mask_type=_MASK,
+        cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_kv=plan.cu_seqlens_k,
+        max_seqlen_q=plan.max_seqlen_q, max_seqlen_kv=plan.max_seqlen_k,
+    )
+    return out.view(q.shape)  # TE returns [t, h * d]

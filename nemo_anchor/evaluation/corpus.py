@@ -1,0 +1,93 @@
+"""Fixed-length token windows from a packed dataset, JSONL files or plain text files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+
+def read_token_windows(
+    sources: Sequence[str | Path],
+    tokenizer,
+    *,
+    num_windows: int,
+    length: int,
+    text_key: str = "text",
+) -> torch.Tensor:
+    """Read ``num_windows`` windows of ``length`` tokens: int64 ``[num_windows, length]``.
+
+    - One directory: a packed dataset (``nemo_anchor.data.PackedDataset``); window ``i`` is the
+      first ``length`` tokens of sample ``i``, kept as packed (its first token is the anchor).
+    - Files: ``*.jsonl`` holds one document per line (its text under ``text_key``); any other file
+      is one plain-text document. Documents are tokenized without special tokens, joined with EOS
+      (when the tokenizer has one) and cut into consecutive windows, each opened with BOS (when the
+      tokenizer has one), as a model sees a document at inference.
+    """
+    if num_windows < 1 or length < 2:
+        raise ValueError(f"need num_windows >= 1 and length >= 2, got {num_windows} and {length}")
+    paths = [Path(source) for source in sources]
+    if not paths:
+        raise ValueError("no input given: pass a packed dataset directory or text/JSONL files")
+    for path in paths:
+        if not path.exists():
+            raise ValueError(f"input {path} does not exist")
+    if any(path.is_dir() for path in paths):
+        if len(paths) != 1:
+            raise ValueError(f"a packed dataset directory must be the only input, got {[str(p) for p in paths]}")
+        return _packed_windows(paths[0], num_windows, length)
+    return _text_windows(paths, tokenizer, num_windows, length, text_key)
+
+
+def _packed_windows(directory: Path, num_windows: int, length: int) -> torch.Tensor:
+    from nemo_anchor.data import PackedDataset
+
+    dataset = PackedDataset(directory)
+    if len(dataset) < num_windows:
+        raise ValueError(f"packed dataset {directory} has {len(dataset)} samples, {num_windows} requested")
+    windows = []
+    for index in range(num_windows):
+        tokens = torch.as_tensor(dataset[index]["tokens"], dtype=torch.int64)
+        if tokens.numel() < length:
+            raise ValueError(f"packed dataset {directory}: sample {index} has {tokens.numel()} tokens, {length} requested")
+        windows.append(tokens[:length])
+    return torch.stack(windows)
+
+
+def _text_windows(paths: list[Path], tokenizer, num_windows: int, length: int, text_key: str) -> torch.Tensor:
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    body_length = length - len(bos)
+    needed = num_windows * body_length
+    stream: list[int] = []
+    for document in _documents(paths, text_key):
+        stream += tokenizer(document, add_special_tokens=False)["input_ids"] + separator
+        if len(stream) >= needed:
+            break
+    if len(stream) < needed:
+        names = ", ".join(str(p) for p in paths)
+        raise ValueError(
+            f"{names} hold {len(stream)} tokens, {num_windows} windows of {length} need {needed}: "
+            "give more text, fewer windows or shorter windows"
+        )
+    body = torch.tensor(stream[:needed], dtype=torch.int64).view(num_windows, body_length)
+    return torch.cat([torch.tensor(bos, dtype=torch.int64).expand(num_windows, len(bos)), body], dim=1)
+
+
+def _documents(paths: list[Path], text_key: str) -> Iterator[str]:
+    for path in paths:
+        if path.suffix != ".jsonl":
+            yield path.read_text(encoding="utf-8")
+            continue
+        with path.open(encoding="utf-8") as lines:
+            for line_number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+                    raise ValueError(f"{path}:{line_number}: expected an object with a string {text_key!r}")
+                yield record[text_key]

@@ -1,0 +1,45 @@
+"""Resolve a model path to a Hugging Face causal LM and its tokenizer, offline.
+
+Two kinds of paths are accepted:
+- a Hugging Face directory (it holds ``config.json``): loaded with ``AutoModelForCausalLM`` and
+  ``AutoTokenizer`` from local files only;
+- anything else (a training ``output_dir`` or one of its checkpoint directories): handed to
+  ``nemo_anchor.export.inference.load_hf_model``, which converts our checkpoints to the same kind
+  of model. It is imported only then, so HF directories need nothing from the export package.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bf16" | "fp16" | "fp32"`` -> torch dtype (ValueError names the bad value)."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+    """Load ``(model, tokenizer)`` for inference: the model in eval mode, on ``device``, in ``dtype``.
+
+    The dtype is applied at load time, never with ``model.to(dtype)``: that would also round
+    the fp32 RoPE ``inv_freq`` buffer, which a model loaded in bf16 keeps in fp32.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"model path {path} does not exist")
+    if (path / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    else:
+        from nemo_anchor.export.inference import load_hf_model
+
+        model, tokenizer = load_hf_model(path, dtype=dtype)
+    return model.to(device).eval(), tokenizer

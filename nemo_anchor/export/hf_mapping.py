@@ -1,0 +1,176 @@
+"""Our ``model:`` config and canonical Megatron weights <-> Hugging Face Llama / Mistral / Qwen2.
+
+The three HF classes share one weight layout (``model.layers.N.self_attn.q_proj`` ...); they
+differ in their config: Qwen2 always has q/k/v biases, Mistral may have a sliding window, Llama
+may have biases on every attention projection. We map exactly what both sides can express and
+refuse the rest with an error that names the field.
+
+RoPE: HF ``rope_theta`` is the resolved base (the paper's schedule, NTK already folded in), and
+YaRN becomes ``rope_scaling = {"rope_type": "yarn", "factor", "original_max_position_embeddings"}``
+with HF's defaults (beta_fast 32, beta_slow 1, attention factor 0.1 ln s + 1), which are
+Megatron's too. ``max_position_embeddings`` is the trained window.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from nemo_anchor.export.megatron_state import fuse_qkv, split_qkv
+from nemo_anchor.model.config import ModelConfig
+
+# our architecture -> (transformers config class, model class)
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def to_hf_config(cfg: ModelConfig, vocab_size: int, *, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                 dtype: torch.dtype = torch.float32):
+    """The ``transformers`` config of the HF class for ``cfg.architecture``."""
+    import transformers
+
+    if cfg.qkv_bias and cfg.architecture != "qwen2":
+        raise ValueError(f"model.add_qkv_bias=True: HF {HF_CLASSES[cfg.architecture][1]} has no q/k/v-only biases; "
+                         f"set model.architecture=qwen2 to export this model")
+    rope_scaling = None
+    if cfg.rope_scaling == "yarn":
+        rope_scaling = {"rope_type": "yarn", "factor": float(cfg.rope_scaling_factor),
+                        "original_max_position_embeddings": int(cfg.original_max_position_embeddings)}
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.kv_channels,
+        hidden_act="silu",
+        max_position_embeddings=cfg.seq_length,
+        rms_norm_eps=cfg.norm_epsilon,
+        rope_theta=cfg.resolved_rotary_base(),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_method_std,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype=dtype,
+    )
+    if cfg.architecture == "llama":
+        fields.update(attention_bias=False, mlp_bias=False)
+    elif cfg.architecture == "mistral":
+        fields.update(sliding_window=None)
+    else:
+        fields.update(use_sliding_window=False)
+    return getattr(transformers, HF_CLASSES[cfg.architecture][0])(**fields)
+
+
+def model_config_from_hf(hf_config, *, source: str = "config.json", **overrides) -> ModelConfig:
+    """Our ``model:`` section for a transformers Llama/Mistral/Qwen2 config (``overrides`` win)."""
+    arch = hf_config.model_type
+
+    def refuse(field, value, why):
+        raise ValueError(f"{source}: {field}={value!r} is not supported: {why}")
+
+    if arch not in HF_CLASSES:
+        refuse("model_type", arch, f"choose one of {sorted(HF_CLASSES)}")
+    if hf_config.hidden_act != "silu":
+        refuse("hidden_act", hf_config.hidden_act, "the Megatron model uses SwiGLU (silu)")
+    if arch == "llama" and (hf_config.attention_bias or hf_config.mlp_bias):
+        refuse("attention_bias/mlp_bias", (hf_config.attention_bias, hf_config.mlp_bias), "Llama without biases only")
+    window = getattr(hf_config, "sliding_window", None)
+    if (arch == "qwen2" and hf_config.use_sliding_window) or (
+            arch == "mistral" and window is not None and window < hf_config.max_position_embeddings):
+        refuse("sliding_window", window, "sliding-window attention is not implemented")
+    scaling = dict(hf_config.rope_scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        refuse("rope_scaling", scaling, "only plain RoPE and YaRN")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    fields = dict(
+        architecture=arch,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=hf_config.num_key_value_heads or heads,
+        head_dim=None if head_dim * heads == hf_config.hidden_size else head_dim,
+        vocab_size=hf_config.vocab_size,
+        seq_length=hf_config.max_position_embeddings,
+        rotary_base=str(float(hf_config.rope_theta)),
+        norm_epsilon=hf_config.rms_norm_eps,
+        init_method_std=hf_config.initializer_range,
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+    )
+    if rope_type == "yarn":
+        fields.update(rope_scaling="yarn", rope_scaling_factor=float(scaling["factor"]),
+                      original_max_position_embeddings=int(
+                          scaling.get("original_max_position_embeddings") or hf_config.max_position_embeddings))
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _hf_layer_names(i: int) -> dict[str, str]:
+    """Canonical Megatron name -> HF name, for the one-to-one tensors of layer ``i``."""
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    return {
+        m + "input_layernorm.weight": h + "input_layernorm.weight",
+        m + "self_attention.linear_proj.weight": h + "self_attn.o_proj.weight",
+        m + "pre_mlp_layernorm.weight": h + "post_attention_layernorm.weight",
+        m + "mlp.linear_fc2.weight": h + "mlp.down_proj.weight",
+    }
+
+
+def megatron_to_hf_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A checked canonical Megatron state (see ``megatron_state``) -> the HF ``state_dict``."""
+    embed = state["embedding.word_embeddings.weight"]
+    hf = {
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+        "lm_head.weight": embed if cfg.tie_embeddings else state["output_layer.weight"],
+    }
+    for i in range(cfg.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        hf.update({theirs: state[ours] for ours, theirs in _hf_layer_names(i).items()})
+        q, k, v = split_qkv(state[m + "self_attention.linear_qkv.weight"], cfg)
+        hf.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v})
+        if cfg.architecture == "qwen2":  # Qwen2's projections always carry biases: zeros when we trained none
+            qkv_bias = state.get(m + "self_attention.linear_qkv.bias")
+            if qkv_bias is None:
+                qkv_bias = torch.zeros(q.shape[0] + k.shape[0] + v.shape[0], dtype=q.dtype)
+            qb, kb, vb = split_qkv(qkv_bias, cfg)
+            hf.update({h + "self_attn.q_proj.bias": qb, h + "self_attn.k_proj.bias": kb, h + "self_attn.v_proj.bias": vb})
+        gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        hf.update({h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up})
+    return {k: v.contiguous() for k, v in hf.items()}
+
+
+def hf_to_megatron_state(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, source: str) -> dict[str, torch.Tensor]:
+    """An HF ``state_dict`` -> the canonical Megatron state of ``cfg`` (ValueError naming a missing tensor)."""
+    def get(name):
+        try:
+            return hf[name]
+        except KeyError:
+            raise ValueError(f"{source}: Hugging Face weights lack {name}") from None
+
+    state = {
+        "embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
+        "decoder.final_layernorm.weight": get("model.norm.weight"),
+    }
+    if not cfg.tie_embeddings:
+        state["output_layer.weight"] = get("lm_head.weight")
+    for i in range(cfg.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        state.update({ours: get(theirs) for ours, theirs in _hf_layer_names(i).items()})
+        attn = h + "self_attn."
+        state[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), cfg)
+        if cfg.qkv_bias:
+            state[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), cfg)
+        state[m + "mlp.linear_fc1.weight"] = torch.cat([get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")])
+    return state

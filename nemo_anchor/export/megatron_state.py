@@ -1,0 +1,131 @@
+"""Megatron-Core GPT weights under one spelling, whatever wrote them.
+
+The same Llama-shaped model reaches us under three sets of names:
+
+- ``GPTModel.state_dict()`` of the local spec: per layer, ``decoder.layers.3.input_layernorm.weight``;
+- the Transformer-Engine spec, whose fused modules own the norms:
+  ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight`` and
+  ``decoder.layers.3.mlp.linear_fc1.layer_norm_weight``;
+- ``dist_checkpointing`` checkpoints (ours and NeMo 2's), which always use the TE spelling and
+  stack the layers into one tensor with a leading ``num_layers`` axis:
+  ``decoder.layers.self_attention.linear_qkv.weight`` ``[L, ...]``.
+
+:func:`canonical_state` turns any of them into the local spelling, one tensor per layer; that
+*canonical state* is what the HF conversion reads and writes. Tensors keep Megatron's layouts:
+``linear_qkv`` rows grouped per query group ``[q heads of the group; k; v]``, ``linear_fc1`` rows
+``[gate; up]``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import torch
+
+from nemo_anchor.model.config import ModelConfig
+
+_TE_TO_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
+_STACKED_LAYER_KEY = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def canonical_state(tensors: Mapping[str, torch.Tensor], num_layers: int, *, source: str = "checkpoint") -> dict:
+    """Local-spec names, one tensor per layer; ``_extra_state`` entries (TE/FP8 metadata) dropped."""
+    state = {}
+    for key, value in tensors.items():
+        if key.endswith("_extra_state"):
+            continue
+        stacked = _STACKED_LAYER_KEY.match(key)
+        if stacked is None:
+            state[_local_name(key)] = value
+            continue
+        if value.dim() == 0 or value.shape[0] != num_layers:
+            raise ValueError(f"{source}: {key} stacks {tuple(value.shape)[:1]} layers, the model config has "
+                             f"num_layers={num_layers}")
+        for layer, per_layer in enumerate(value.unbind(0)):
+            state[_local_name(f"decoder.layers.{layer}.{stacked.group(1)}")] = per_layer
+    return state
+
+
+def _local_name(key: str) -> str:
+    layer = _LAYER_KEY.match(key)
+    if layer is None:
+        return key
+    index, rest = layer.groups()
+    return f"decoder.layers.{index}.{_TE_TO_LOCAL.get(rest, rest)}"
+
+
+def expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """The canonical state of ``cfg``: every name with its shape."""
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_channels
+    qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
+    shapes = {"embedding.word_embeddings.weight": (vocab_size, h), "decoder.final_layernorm.weight": (h,)}
+    if not cfg.tie_embeddings:
+        shapes["output_layer.weight"] = (vocab_size, h)
+    for i in range(cfg.num_layers):
+        layer = f"decoder.layers.{i}."
+        shapes[layer + "input_layernorm.weight"] = (h,)
+        shapes[layer + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
+        if cfg.qkv_bias:
+            shapes[layer + "self_attention.linear_qkv.bias"] = (qkv_rows,)
+        shapes[layer + "self_attention.linear_proj.weight"] = (h, cfg.num_attention_heads * d)
+        shapes[layer + "pre_mlp_layernorm.weight"] = (h,)
+        shapes[layer + "mlp.linear_fc1.weight"] = (2 * f, h)
+        shapes[layer + "mlp.linear_fc2.weight"] = (h, f)
+    return shapes
+
+
+def check_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int, *, source: str) -> None:
+    """ValueError naming the first missing, unexpected or mis-shaped tensors of a canonical state."""
+    expected = expected_shapes(cfg, vocab_size)
+    extra = set(state) - set(expected)
+    if cfg.tie_embeddings:
+        extra.discard("output_layer.weight")  # some writers keep the tied copy
+    missing = [k for k in expected if k not in state]
+    if missing or extra:
+        raise ValueError(f"{source}: weights do not match the model config "
+                         f"(missing {missing[:4]}, unexpected {sorted(extra)[:4]})")
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise ValueError(f"{source}: {key} has shape {tuple(state[key].shape)}, the model config "
+                             f"expects {shape}")
+
+
+def split_qkv(fused: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's grouped ``linear_qkv`` rows (weight or bias) -> (q, k, v) rows in head order."""
+    groups, d = cfg.num_query_groups, cfg.kv_channels
+    per_group = cfg.num_attention_heads // groups
+    grouped = fused.reshape(groups, (per_group + 2) * d, *fused.shape[1:])
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return tuple(t.reshape(-1, *fused.shape[1:]) for t in (q, k, v))
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Inverse of :func:`split_qkv`."""
+    groups = cfg.num_query_groups
+    rest = q.shape[1:]
+    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def load_into_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, source: str) -> None:
+    """Copy a checked canonical state into a Megatron ``GPTModel`` of either spec (strict)."""
+    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    renamed = {}
+    for key, value in state.items():
+        layer = _LAYER_KEY.match(key)
+        if layer is not None and key not in own:  # the model uses TE's spelling
+            index, rest = layer.groups()
+            key = f"decoder.layers.{index}.{_LOCAL_TO_TE.get(rest, rest)}"
+        if key in own:
+            renamed[key] = value
+        elif key != "output_layer.weight":  # tied models own no separate output layer
+            raise ValueError(f"{source}: the model has no parameter {key}")
+    missing = sorted(own - set(renamed))
+    if missing:
+        raise ValueError(f"{source}: no weights for {missing[:4]}")
+    model.load_state_dict(renamed, strict=False)

@@ -1,0 +1,32 @@
+"""The one place where the optional GPU packages (flash-attn, Transformer Engine) are imported.
+
+Imports are lazy and cached. They are guarded with ``except Exception`` rather than
+``ImportError``: a CPU-only transformer-engine raises RuntimeError at import time, and a
+flash-attn built without CUDA fails on its missing extension module. Each accessor returns
+``(object, None)`` when usable and ``(None, reason)`` otherwise, so callers can say why.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Any, Callable
+
+
+@functools.cache
+def _import(module_name: str) -> tuple[ModuleType | None, str | None]:
+    try:
+        return importlib.import_module(module_name), None
+    except Exception as error:  # noqa: BLE001 - see the module docstring
+        return None, f"`import {module_name}` failed: {type(error).__name__}: {error}"
+
+
+def flash_attn_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
+    """``flash_attn.flash_attn_varlen_func`` (flash-attn 2), or None and why it is unavailable."""
+    module, reason = _import("flash_attn")
+    return (module.flash_attn_varlen_func, None) if module is not None else (None, reason)
+
+
+def transformer_engine_pytorch() -> tuple[ModuleType | None, str | None]:
+    """The ``transformer_engine.pytorch`` module, or None and why it is unavailable."""
+    return _import("transformer_engine.pytorch")

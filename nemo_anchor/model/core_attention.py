@@ -1,0 +1,108 @@
+"""``AnchorCoreAttention``: a drop-in for Megatron-Core's ``core_attention`` submodule.
+
+It keeps the constructor and forward contract of
+``megatron.core.transformer.dot_product_attention.DotProductAttention`` (0.16.1) and adds what
+that module refuses: packed THD input with document/anchor masks, and context parallelism.
+The mask comes from ``mask`` (one of ``nemo_anchor.attention.MODES``), the structure of the
+pack from ``packed_seq_params`` (see :mod:`nemo_anchor.model.packed_seq`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+from nemo_anchor.attention import anchor_attention
+from nemo_anchor.model.packed_seq import attention_boundaries
+
+_CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+class AnchorCoreAttention(MegatronModule):
+    """Core attention over packed windows for the ``full``, ``intra_doc`` and ``anchor`` masks.
+
+    Layouts: sbhd ``q [s, b, np, hn]``, ``k/v [s, b, ng, hn]`` -> ``[s, b, np*hn]`` (each batch row
+    is one window holding one document, so every mask is plain causal attention there); thd
+    ``q [t, np, hn]``, ``k/v [t, ng, hn]`` -> ``[t, np*hn]``. Grouped-query heads are not expanded.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        mask: str = "anchor",
+        backend: str = "auto",
+    ):
+        super().__init__(config=config)
+        if attn_mask_type not in _CAUSAL_MASK_TYPES:
+            raise ValueError(f"AnchorCoreAttention needs a causal attn_mask_type, got {attn_mask_type}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout={dropout} is not supported (long-context training uses 0)")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.mask = mask
+        self.backend = backend
+        self.cp_comm_type = cp_comm_type or config.cp_comm_type or "a2a"
+        head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("apply_query_key_layer_scaling is an fp16 workaround; AnchorCoreAttention "
+                             "keeps softmax statistics in fp32 and does not support it")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by AnchorCoreAttention")
+        if attn_mask_type is not None and attn_mask_type not in _CAUSAL_MASK_TYPES:
+            raise ValueError(f"AnchorCoreAttention needs a causal attn_mask_type, got {attn_mask_type}")
+
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed:
+            docs, windows = attention_boundaries(packed_seq_params)
+            out = self._attend(query, key, value, docs, windows)
+            return out.reshape(out.size(0), -1)
+
+        s, b = query.shape[:2]
+        flat = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
+        bounds = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
+        out = self._attend(*flat, bounds, bounds)
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+
+    def _attend(self, q, k, v, docs, windows):
+        cp_group = self.pg_collection.cp
+        if cp_group is not None and cp_group.size() > 1:
+            from nemo_anchor.parallel.context_parallel import context_parallel_attention
+
+            return context_parallel_attention(
+                q, k, v, docs, windows, mask=self.mask, backend=self.backend,
+                softmax_scale=self.softmax_scale, cp_group=cp_group, comm_type=self.cp_comm_type,
+            )
+        return anchor_attention(
+            q, k, v, docs.to(torch.int32), cu_windows=windows.to(torch.int32),
+            mode=self.mask, backend=self.backend, softmax_scale=self.softmax_scale,
+        )

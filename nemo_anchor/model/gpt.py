@@ -1,0 +1,111 @@
+"""A Megatron-Core ``GPTModel`` in the Llama shape with an AnchorAttention layer spec.
+
+Llama shape: RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, no biases (Qwen2: qkv bias),
+untied embeddings by default. Packed windows go in as THD (``packed_forward``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.model.packed_seq import make_packed_seq_params
+from nemo_anchor.model.rope import install_rope_precision_hook
+from nemo_anchor.model.spec import get_layer_spec
+
+
+@dataclass
+class AnchorTransformerConfig(TransformerConfig):
+    """Megatron's config plus the fields our layers and YaRN read."""
+
+    anchor_attention_type: str = "anchor"  # nemo_anchor.model.attention_types name; fixes mask and RoPE restarts
+    rope_in_fp32: bool = False
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+
+
+def transformer_config(cfg: ModelConfig, *, bf16: bool = False, tensor_parallel_size: int = 1) -> AnchorTransformerConfig:
+    recompute = {"none": {}, "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+                 "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+    return AnchorTransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        bf16=bf16,
+        params_dtype=torch.float32,  # fp32 master weights; bf16 compute comes from autocast
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=True,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tensor_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        cp_comm_type=cfg.cp_comm_type,
+        anchor_attention_type=cfg.attention_type,
+        rope_in_fp32=cfg.rope_in_fp32,
+        yarn_rotary_scaling_factor=cfg.rope_scaling_factor,
+        yarn_original_max_position_embeddings=cfg.original_max_position_embeddings,
+        **recompute[cfg.recompute],
+    )
+
+
+def build_gpt_model(cfg: ModelConfig, vocab_size: int, *, bf16: bool = False, spec_backend_te: bool | None = None) -> GPTModel:
+    """Build the model (Megatron parallel state must be initialised: ``nemo_anchor.parallel``)."""
+    install_rope_precision_hook()
+    config = transformer_config(cfg, bf16=bf16)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_layer_spec(cfg.attention_type, cfg.attention_backend, spec_backend_te),
+        vocab_size=vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="yarn" if cfg.rope_scaling == "yarn" else "rope",
+        rotary_base=cfg.resolved_rotary_base(),
+    )
+
+
+def packed_forward(model: GPTModel, batch: dict, cp_group=None) -> torch.Tensor:
+    """Run B packed windows as one THD sequence; returns the per-token loss ``[B, T]`` (fp32).
+
+    ``batch`` is ``nemo_anchor.data.collate_windows`` output (tokens/labels/position_ids
+    ``[B, T]``, ``cu_seqlens``/``cu_windows`` int32 over the flattened tokens). With ``labels``
+    absent, returns logits ``[B, T, V]`` instead.
+    """
+    tokens = batch["tokens"]
+    b, t = tokens.shape
+    params = make_packed_seq_params(batch["cu_seqlens"], batch["cu_windows"], model.config.anchor_attention_type,
+                                    cp_group)
+    labels = batch.get("labels")
+    out = model(
+        input_ids=tokens.reshape(1, b * t),
+        position_ids=batch["position_ids"].reshape(1, b * t),
+        attention_mask=None,
+        labels=None if labels is None else labels.reshape(1, b * t),
+        packed_seq_params=params,
+    )
+    return out.float().reshape(b, t, *out.shape[2:])

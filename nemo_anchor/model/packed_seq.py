@@ -1,0 +1,59 @@
+"""Packed-sequence parameters that carry documents and anchors past Megatron's RoPE.
+
+Megatron applies RoPE per ``cu_seqlens_q/kv`` segment in THD format and ignores position ids.
+So the standard fields describe where positions restart (windows, or documents for
+``intra_doc_reset``) while ``cu_seqlens_doc`` / ``cu_seqlens_window`` tell the core attention
+which keys each token may see. Plain ``PackedSeqParams`` (e.g. from NeMo's packed path) still
+work: every segment is then its own document and window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from nemo_anchor.model.attention_types import get_attention_type
+
+
+@dataclass
+class AnchorPackedSeqParams(PackedSeqParams):
+    cu_seqlens_doc: torch.Tensor = None  # int32 [n_docs + 1], document boundaries over the pack
+    cu_seqlens_window: torch.Tensor = None  # int32 [n_windows + 1], each also a document boundary
+
+
+def attention_boundaries(params: PackedSeqParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens of documents, cu_seqlens of windows) as the core attention should see them."""
+    docs = getattr(params, "cu_seqlens_doc", None)
+    windows = getattr(params, "cu_seqlens_window", None)
+    if docs is None:
+        docs = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    if windows is None:
+        windows = docs
+    return docs, windows
+
+
+def make_packed_seq_params(
+    cu_seqlens: torch.Tensor, cu_windows: torch.Tensor, attention_type: str, cp_group=None
+) -> AnchorPackedSeqParams:
+    """Build THD params for a batch of packed windows (see ``nemo_anchor.data.collate_windows``).
+
+    ``cu_seqlens``/``cu_windows`` are int32 boundaries over the flattened ``B*T`` tokens.
+    """
+    kind = get_attention_type(attention_type)
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    cu_windows = cu_windows.to(torch.int32)
+    rope_segments = cu_seqlens if kind.rope_restarts == "document" else cu_windows
+    # Megatron sizes its RoPE table by max_seqlen and, when that equals the pack length, maps
+    # positions by offset instead of restarting per segment; both agree with rope_segments.
+    max_seqlen = int((rope_segments[1:] - rope_segments[:-1]).max())
+    return AnchorPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=rope_segments,
+        cu_seqlens_kv=rope_segments,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        cp_group=cp_group,
+        cu_seqlens_doc=cu_seqlens,
+        cu_seqlens_window=cu_windows,
+    )

@@ -1,0 +1,169 @@
+"""Training checkpoints with Megatron ``dist_checkpointing``, written atomically.
+
+Layout of a training ``output_dir``::
+
+    config.yaml                      effective run config
+    tokenizer/                       HF tokenizer files (AutoTokenizer loads them offline)
+    checkpoints/iter_0000100/        one dist_checkpointing directory per saved step
+        config.yaml                  the run config again, so the directory stands alone
+    checkpoints/latest_checkpointed_iteration.txt
+
+A checkpoint is saved into ``checkpoints/.tmp.iter_*`` and renamed when every rank has
+finished, so a ``kill -9`` at any moment leaves the previous complete checkpoint loadable.
+Model weights are sharded fp32 tensors under ``model.`` (in bf16 runs: the optimizer's fp32
+master weights, so resuming is exact and exports keep full precision); optimizer, scheduler and data-sampler state
+are replicated across data-parallel ranks and saved once; RNG state is saved per rank.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from omegaconf import OmegaConf
+
+ITER_PATTERN = re.compile(r"^iter_(\d{7})$")
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+
+
+def iter_dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def list_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint directories under ``checkpoints_dir``, oldest first."""
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and ITER_PATTERN.match(p.name)]
+    return sorted(found, key=lambda p: int(ITER_PATTERN.match(p.name).group(1)))
+
+
+def checkpoint_step(ckpt_dir: str | os.PathLike) -> int:
+    match = ITER_PATTERN.match(Path(ckpt_dir).name)
+    if not match:
+        raise ValueError(f"not a checkpoint directory name (iter_NNNNNNN): {ckpt_dir}")
+    return int(match.group(1))
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A training output_dir -> its latest checkpoint; a checkpoint directory -> itself."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
+    if ITER_PATTERN.match(path.name) and (path / "metadata.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        found = list_checkpoints(root)
+        if found:
+            return found[-1]
+    raise FileNotFoundError(
+        f"no checkpoint under {path}: expected an output_dir with checkpoints/iter_NNNNNNN/ or a "
+        f"checkpoint directory iter_NNNNNNN containing metadata.json")
+
+
+def read_run_config(ckpt_dir: str | os.PathLike):
+    """The run config saved with a checkpoint (OmegaConf DictConfig)."""
+    path = Path(ckpt_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {ckpt_dir} has no config.yaml")
+    return OmegaConf.load(path)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_object(state) -> ShardedObject:
+    return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
+
+
+def _model_state(model, weights: dict[int, torch.Tensor] | None = None) -> dict:
+    """The model's sharded state dict, each tensor swapped for ``weights[data_ptr]`` when given."""
+    sharded = model.sharded_state_dict(prefix="model.")
+    for value in sharded.values():
+        if weights and isinstance(value, ShardedTensor) and value.data.data_ptr() in weights:
+            value.data = weights[value.data.data_ptr()]
+            value.dtype = value.data.dtype
+    return sharded
+
+
+def save_checkpoint(output_dir: str | os.PathLike, step: int, model, extra_state: dict,
+                    run_config_yaml: str, keep_last: int, weights: dict[int, torch.Tensor] | None = None) -> Path:
+    """Save model (sharded), ``extra_state`` (replicated: optimizer, scheduler, sampler) and RNG.
+
+    ``weights`` maps a parameter's ``data_ptr`` to the tensor to store for it (fp32 masters).
+    """
+    checkpoints = Path(output_dir) / "checkpoints"
+    final = checkpoints / iter_dir_name(step)
+    tmp = checkpoints / f".tmp.{final.name}"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = {
+        "model": _model_state(model, weights),
+        "extra": extra_state,
+        "rng": _rng_object({"torch": torch.get_rng_state()}),
+    }
+    dist_checkpointing.save(state, str(tmp))
+    _barrier()
+    if _rank() == 0:
+        (tmp / "config.yaml").write_text(run_config_yaml)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        latest_tmp = checkpoints / f".{LATEST_FILE}.tmp"
+        latest_tmp.write_text(str(step))
+        os.replace(latest_tmp, checkpoints / LATEST_FILE)
+        for old in list_checkpoints(checkpoints)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint_state(ckpt_dir: str | os.PathLike, model, extra_template: dict,
+                          weights: dict[int, torch.Tensor] | None = None) -> tuple[dict, dict]:
+    """Load the RNG state; returns (fp32 model weights by parameter name, saved ``extra_state``).
+
+    ``extra_template`` has the same structure as the saved extra state (e.g. a fresh optimizer's
+    ``state_dict()``); only its keys matter, values come from the checkpoint. ``weights`` as for
+    :func:`save_checkpoint` gives the dtype to load into.
+    """
+    state = {
+        "model": _model_state(model, weights),
+        "extra": extra_template,
+        "rng": _rng_object(None),
+    }
+    loaded = dist_checkpointing.load(state, str(ckpt_dir))
+    torch.set_rng_state(loaded["rng"]["torch"])
+    return _strip_prefix(loaded["model"], "model."), loaded["extra"]
+
+
+def load_model_weights(model, ckpt_dir: str | os.PathLike) -> None:
+    """Load only the model weights of a training checkpoint into ``model``."""
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "metadata.json").is_file():
+        raise FileNotFoundError(f"not a dist_checkpointing directory (no metadata.json): {ckpt_dir}")
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")}, str(ckpt_dir))
+    missing, unexpected = model.load_state_dict(_strip_prefix(loaded["model"], "model."), strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt_dir} lacks model weights: {missing[:5]}")
+
+
+def _strip_prefix(state: dict, prefix: str) -> dict:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}

@@ -1,0 +1,123 @@
+"""The one config manager: NeMo-style YAML sections as dataclasses, loaded with OmegaConf.
+
+``load_config(path, overrides)`` merges the schema defaults, the YAML file and ``key=value``
+overrides (OmegaConf dotlist syntax). Unknown keys and values of the wrong type are errors that
+name the key; semantic checks (``validate``) name the key and the bad value too.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nemo_anchor.model.config import ModelConfig
+
+
+@dataclass
+class DataConfig:
+    path: str = "???"  # a packed dataset directory (nemo-anchor pack)
+    valid_path: Optional[str] = None  # held-out packed dataset for evaluation
+    shuffle: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    global_batch_size: int = 8  # windows per optimizer step, summed over data-parallel ranks
+    micro_batch_size: int = 1  # windows per forward pass on one rank
+    precision: str = "bf16"  # bf16 (bf16 compute, fp32 master weights/grads/optimizer) | fp32
+    seed: int = 1234
+    log_every: int = 1
+    eval_every: int = 0  # 0: evaluate at the end only
+    eval_batches: int = 8
+    num_threads: int = 0  # torch intra-op threads on the CPU; 0 keeps torch's default
+    progress_bar: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine (after warmup)
+    clip_grad: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0  # 0: only at the end (and on SIGTERM)
+    keep_last: int = 2
+    resume: bool = True  # resume from output_dir's latest checkpoint when there is one
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "???"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> "RunConfig":
+        def bad(key, value, why):
+            raise ValueError(f"{key}={value!r}: {why}")
+
+        self.model.validate()
+        t, o = self.trainer, self.optim
+        if t.precision not in ("bf16", "fp32"):
+            bad("trainer.precision", t.precision, "choose bf16 or fp32")
+        for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
+            if getattr(t, key) < 1:
+                bad(f"trainer.{key}", getattr(t, key), "must be >= 1")
+        if t.global_batch_size % t.micro_batch_size:
+            bad("trainer.global_batch_size", t.global_batch_size,
+                f"must be a multiple of trainer.micro_batch_size={t.micro_batch_size}")
+        if o.schedule not in ("constant", "cosine"):
+            bad("optim.schedule", o.schedule, "choose constant or cosine")
+        if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+            bad("optim.lr", o.lr, f"need lr > 0 and 0 <= min_lr ({o.min_lr}) <= lr")
+        if not 0 <= o.beta1 < 1 or not 0 <= o.beta2 < 1:
+            bad("optim.beta1/beta2", (o.beta1, o.beta2), "must lie in [0, 1)")
+        if self.checkpoint.keep_last < 1:
+            bad("checkpoint.keep_last", self.checkpoint.keep_last, "must be >= 1")
+        cp = self.model.context_parallel_size
+        if self.model.seq_length % (2 * cp):
+            bad("model.seq_length", self.model.seq_length,
+                f"must be divisible by 2 x model.context_parallel_size = {2 * cp} (each window is cut into "
+                f"2*cp chunks); pick a seq_length that is a multiple of {2 * cp}")
+        return self
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Schema defaults <- YAML file <- ``key=value`` overrides, validated."""
+    try:
+        merged = OmegaConf.structured(RunConfig)
+        if path is not None:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"config file not found: {path}")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        bad_overrides = [o for o in overrides if "=" not in o]
+        if bad_overrides:
+            raise ValueError(f"overrides must look like key=value, got {bad_overrides}")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ValueError(f"missing required config keys: {missing}")
+        config: RunConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        where = f" in {path}" if path else ""
+        raise ValueError(f"invalid config{where}: {err.msg} (key: {err.full_key})") from None
+    return config.validate()
+
+
+def to_yaml(config: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

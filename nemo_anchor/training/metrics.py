@@ -1,0 +1,58 @@
+"""Progress for people (tqdm) and for tools (metrics.jsonl, TensorBoard), written by rank 0."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+class MetricsLogger:
+    """One JSON object per optimizer step in ``metrics.jsonl``, the same scalars in TensorBoard."""
+
+    def __init__(self, output_dir: Path, *, total_steps: int, start_step: int, enabled: bool, progress_bar: bool):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        if progress_bar:
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log_step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self._tb.add_scalar(f"train/{key}", value, record["step"])
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            self._bar.update(1)
+
+    def log_eval(self, step: int, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **record}) + "\n")
+        self._jsonl.flush()
+        for key, value in record.items():
+            self._tb.add_scalar(f"eval/{key}", value, step)
+        self.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
+
+    def write(self, message: str) -> None:
+        if self.enabled:
+            (self._bar.write if self._bar is not None else print)(message)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

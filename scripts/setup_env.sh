@@ -1,0 +1,21 @@
+# Sourced by demo.sh and test.sh: create or reuse .venv at the repo root and install the project.
+# torch is pinned on every pip command line: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TORCH_PIN="torch==2.13.0"
+EXTRAS="${NEMO_ANCHOR_EXTRAS:-test,nemo}"
+cd "$REPO_ROOT"
+if [ ! -x .venv/bin/python ]; then
+  python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+STAMP=".venv/.nemo-anchor-installed"
+FINGERPRINT="$(cat setup.py | sha256sum | cut -c1-16)-$EXTRAS"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$FINGERPRINT" ]; then
+  echo "[setup] installing nemo-anchor[$EXTRAS] into .venv (first run takes a few minutes)"
+  python -m pip install --quiet --upgrade pip
+  python -m pip install --quiet "$TORCH_PIN" -e ".[$EXTRAS]"
+  echo "$FINGERPRINT" > "$STAMP"
+fi
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"

@@ -1,0 +1,215 @@
+"""AnchorCoreAttention inside a Megatron-Core GPTModel on the CPU."""
+import copy
+
+import pytest
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+from nemo_anchor.model.config import ModelConfig, paper_rotary_base
+from nemo_anchor.model.core_attention import AnchorCoreAttention
+from nemo_anchor.model.gpt import build_gpt_model, packed_forward, transformer_config
+from nemo_anchor.model.packed_seq import make_packed_seq_params
+from nemo_anchor.model.spec import get_layer_spec
+from nemo_anchor.parallel.distributed import initialize_parallel
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel():
+    return initialize_parallel()
+
+
+def _cfg(**kw):
+    base = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                seq_length=32, attention_backend="cpu")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return build_gpt_model(cfg, VOCAB)
+
+
+def _batch(cu_seqlens, windows=1, T=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (windows, T), generator=g)
+    return dict(tokens=tokens, labels=torch.randint(0, VOCAB, (windows, T), generator=g),
+                position_ids=torch.arange(T).repeat(windows, 1), loss_mask=torch.ones(windows, T),
+                cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
+                cu_windows=torch.arange(0, (windows + 1) * T, T, dtype=torch.int32))
+
+
+def test_spec_swaps_only_core_attention():
+    spec = get_layer_spec("anchor", use_transformer_engine=False)
+    reference = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attn = spec.submodules.self_attention.submodules
+    assert attn.core_attention.module is AnchorCoreAttention
+    assert attn.core_attention.params == {"mask": "anchor", "backend": "auto"}
+    assert attn.linear_qkv is reference.submodules.self_attention.submodules.linear_qkv
+    assert reference.submodules.self_attention.submodules.core_attention is not AnchorCoreAttention
+
+
+def test_full_matches_megatron_dot_product_attention():
+    """Unpacked (sbhd) input: our module reproduces Megatron's own DotProductAttention."""
+    cfg = _cfg(attention_type="full")
+    ours = _model(cfg)
+    torch.manual_seed(0)
+    megatron = GPTModel(config=transformer_config(cfg), transformer_layer_spec=get_gpt_layer_local_spec(
+        normalization="RMSNorm"), vocab_size=VOCAB, max_sequence_length=32, position_embedding_type="rope",
+        rotary_base=cfg.resolved_rotary_base(), share_embeddings_and_output_weights=False)
+    megatron.load_state_dict(ours.state_dict(), strict=False)
+    batch = _batch([0, 32], windows=3)
+    causal = torch.triu(torch.ones(32, 32, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+    inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=causal,
+                  labels=batch["labels"])
+    loss_ours = ours(**inputs).mean()
+    loss_megatron = megatron(**inputs).mean()
+    assert abs(loss_ours.item() - loss_megatron.item()) < 1e-5
+    loss_ours.backward()
+    loss_megatron.backward()
+    for (name, p), q in zip(ours.named_parameters(), megatron.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_single_window_equals_unpacked():
+    cfg = _cfg(attention_type="anchor")
+    model = _model(cfg)
+    batch = _batch([0, 32], windows=2, T=32)
+    batch["cu_seqlens"] = torch.tensor([0, 32, 64], dtype=torch.int32)
+    packed = packed_forward(model, batch)
+    unpacked = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                     labels=batch["labels"])
+    torch.testing.assert_close(packed, unpacked, atol=1e-5, rtol=1e-5)
+
+
+def _models(*attention_types):
+    """Models that differ only in attention_type (same seed, same weights)."""
+    return {kind: _model(_cfg(attention_type=kind)) for kind in attention_types}
+
+
+KINDS = ("full", "intra_doc", "intra_doc_reset", "anchor")
+
+
+def test_every_attention_type_equals_full_on_one_document():
+    models = _models(*KINDS)
+    one_doc = _batch([0, 32])
+    full = packed_forward(models["full"], one_doc)
+    for kind in KINDS[1:]:
+        torch.testing.assert_close(packed_forward(models[kind], one_doc), full, msg=kind)
+
+
+def test_attention_types_differ_on_two_documents_after_the_first():
+    models = _models(*KINDS)
+    two_docs = _batch([0, 12, 32])
+    out = {kind: packed_forward(model, two_docs) for kind, model in models.items()}
+    for kind in KINDS[1:]:  # the first document sees nothing else under any mask
+        torch.testing.assert_close(out[kind][:, :12], out["full"][:, :12], msg=kind)
+    for a, b in [("anchor", "full"), ("anchor", "intra_doc"), ("anchor", "intra_doc_reset"), ("intra_doc", "full")]:
+        assert (out[a][:, 12:] - out[b][:, 12:]).abs().max() > 1e-3, (a, b)
+
+
+def test_anchor_second_document_sees_only_anchor_and_itself():
+    """Changing the first document's body (not its anchor) leaves the second document unchanged."""
+    model = _model(_cfg())
+    batch = _batch([0, 12, 32])
+    before = packed_forward(model, batch)
+    batch["tokens"][:, 1:12] = (batch["tokens"][:, 1:12] + 5) % VOCAB
+    after = packed_forward(model, batch)
+    torch.testing.assert_close(after[:, 12:], before[:, 12:])
+    batch["tokens"][:, 0] = (batch["tokens"][:, 0] + 5) % VOCAB  # the anchor
+    assert (packed_forward(model, batch)[:, 12:] - before[:, 12:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("attention_type,restarts", [("anchor", "window"), ("full", "window"),
+                                                     ("intra_doc", "window"), ("intra_doc_reset", "document")])
+def test_megatron_rope_sees_window_or_document_positions(attention_type, restarts):
+    """Megatron's THD RoPE with our params rotates by the positions the attention type promises."""
+    cfg = _cfg(attention_type=attention_type)
+    model = _model(cfg)
+    T, windows = 32, 2
+    cu_seqlens = torch.tensor([0, 5, 20, 32, 33, 64], dtype=torch.int32)
+    cu_windows = torch.tensor([0, 32, 64], dtype=torch.int32)
+    params = make_packed_seq_params(cu_seqlens, cu_windows, attention_type)
+    freqs = model.rotary_pos_emb(max(params.max_seqlen_q, params.max_seqlen_kv), packed_seq=True)
+    x = torch.randn(windows * T, 4, 16)
+    rotated = apply_rotary_pos_emb(x, freqs, model.config, cu_seqlens=params.cu_seqlens_q)
+
+    bounds = cu_seqlens if restarts == "document" else cu_windows
+    positions = torch.cat([torch.arange(int(e - s)) for s, e in zip(bounds[:-1], bounds[1:])])
+    inv_freq = 1.0 / (cfg.resolved_rotary_base() ** (torch.arange(0, 16, 2).float() / 16))
+    angles = positions[:, None].float() * inv_freq[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    rotate_half = torch.cat([-x[..., 8:], x[..., :8]], -1)
+    torch.testing.assert_close(rotated, x * cos + rotate_half * sin, atol=1e-5, rtol=1e-5)
+
+
+def test_selective_recompute_gives_same_loss_and_gradients():
+    batch = _batch([0, 7, 20, 32])
+    grads = []
+    for recompute in ("none", "selective"):
+        model = _model(_cfg(recompute=recompute))
+        loss = packed_forward(model, batch).mean()
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_bf16_model_trains_through_anchor_attention():
+    fp32 = _model(_cfg())
+    bf16 = _model(_cfg()).bfloat16()
+    batch = _batch([0, 9, 32])
+    loss32 = packed_forward(fp32, batch).mean()
+    loss16 = packed_forward(bf16, batch).mean()
+    loss16.backward()
+    assert abs(loss16.item() - loss32.item()) < 0.05
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in bf16.parameters())
+
+
+def test_core_attention_rejects_unsupported_inputs():
+    model = _model(_cfg())
+    core = model.decoder.layers[0].self_attention.core_attention
+    q = torch.randn(8, 1, 4, 16)
+    with pytest.raises(ValueError, match="attention_bias"):
+        core(q, q[:, :, :2], q[:, :, :2], None, attention_bias=torch.zeros(1))
+    from megatron.core.transformer.enums import AttnMaskType
+
+    with pytest.raises(ValueError, match="causal"):
+        core(q, q[:, :, :2], q[:, :, :2], None, attn_mask_type=AttnMaskType.no_mask)
+
+
+def test_model_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="attention_type"):
+        _cfg(attention_type="sliding")
+    with pytest.raises(ValueError, match="num_query_groups"):
+        _cfg(num_query_groups=3)
+    with pytest.raises(ValueError, match="rotary_base"):
+        _cfg(rotary_base="ten")
+    assert paper_rotary_base(65536) == 5e6 and paper_rotary_base(131072) == 1e7
+    assert paper_rotary_base(32768) == 1e6 and paper_rotary_base(262144) == 5e7
+    ntk = _cfg(rotary_base="10000", rope_scaling="ntk", rope_scaling_factor=16.0)
+    assert ntk.resolved_rotary_base() == pytest.approx(10000 * 16 ** (16 / 14))
+
+
+def test_rope_in_fp32_rotates_in_fp32():
+    """With rope_in_fp32 the bf16 rotation is exact up to one final rounding."""
+    cfg32 = _cfg(rope_in_fp32=True)
+    model = _model(cfg32)
+    freqs = model.rotary_pos_emb(4096)
+    x = torch.randn(4096, 1, 4, 16)
+    from megatron.core.transformer import attention
+
+    exact = attention.apply_rotary_pos_emb(x, freqs, model.config)
+    in_fp32 = attention.apply_rotary_pos_emb(x.bfloat16(), freqs, model.config)
+    rounded_config = copy.copy(model.config)
+    rounded_config.rope_in_fp32 = False
+    in_bf16 = attention.apply_rotary_pos_emb(x.bfloat16(), freqs, rounded_config)
+    err32 = (in_fp32.float() - exact).abs().mean()
+    err16 = (in_bf16.float() - exact).abs().mean()
+    assert err32 < err16
+
