@@ -23,6 +23,15 @@ from nemo_anchor.attention.reference import dense_mask
 SETTINGS = settings(max_examples=40, deadline=None)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny problems: extra threads only add synchronisation, which a busy machine makes slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @dataclass(frozen=True)
 class Problem:
     doc_bounds: tuple[int, ...]

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from nemo_anchor.analysis.shift_metrics import attention_shift_difference, first_token_logit_difference
+from nemo_anchor.analysis.shift_metrics import shift_differences
 from nemo_anchor.evaluation.corpus import read_token_windows
 from nemo_anchor.evaluation.models import load_model
 
@@ -77,22 +77,27 @@ def probe_model(model, sequences: torch.Tensor, settings: ProbeSettings, logit_l
     """Measure one model on ``sequences`` (int64 ``[N, >= max(sequence_length, *logit_lengths)]``).
 
     Returns ``{"D": {str(Δ1): float}, "per_token": [float] * sequence_length, "D_logit": {str(T): float}}``,
-    each averaged over the N sequences.
+    each averaged over the N sequences. Per sequence: one pass with every shift at
+    ``sequence_length`` tokens, and a second one (shifts 0 and Δ2 only) when a ``D_logit`` length is longer.
     """
-    rows = [*settings.shifts, 0]  # Δ1 = 0 is always measured: it is the per-token panel
-    differences = torch.zeros(len(rows), settings.sequence_length, dtype=torch.float64)
+    rows = [*settings.shifts, *([] if 0 in settings.shifts else [0])]  # Δ1 = 0 gives the per-token panel
+    longest = max(logit_lengths, default=0)
+    attention = torch.zeros(len(rows), settings.sequence_length, dtype=torch.float64)
     logit_differences = torch.zeros(len(logit_lengths), dtype=torch.float64)
     for sequence in sequences:
-        differences += attention_shift_difference(model, sequence[: settings.sequence_length], rows, settings.reference_shift)
-        _advance(progress)
-        for index, length in enumerate(logit_lengths):
-            logit_differences[index] += first_token_logit_difference(model, sequence[:length], 0, settings.reference_shift)
+        measured = shift_differences(model, sequence[: settings.sequence_length], rows, settings.reference_shift)
+        attention += measured.attention
+        logits, row = measured, rows.index(0)
+        if longest > settings.sequence_length:
             _advance(progress)
-    differences /= len(sequences)
+            logits, row = shift_differences(model, sequence[:longest], [0], settings.reference_shift, attention=False), 0
+        logit_differences += torch.tensor([logits.D_logit(length)[row].item() for length in logit_lengths], dtype=torch.float64)
+        _advance(progress)
+    attention /= len(sequences)
     logit_differences /= len(sequences)
     return {
-        "D": {str(shift): differences[index].sum().item() for index, shift in enumerate(settings.shifts)},
-        "per_token": differences[-1].tolist(),
+        "D": {str(shift): attention[index].sum().item() for index, shift in enumerate(settings.shifts)},
+        "per_token": attention[rows.index(0)].tolist(),
         "D_logit": {str(length): value.item() for length, value in zip(logit_lengths, logit_differences)},
     }
 
@@ -112,7 +117,8 @@ def run_probe(
     sequences = read_token_windows(sources, tokenizer, num_windows=settings.num_sequences, length=window, text_key=text_key)
 
     results = {}
-    steps = len(settings.variants) * settings.num_sequences * (1 + len(logit_lengths))
+    passes_per_sequence = 2 if max(logit_lengths, default=0) > settings.sequence_length else 1
+    steps = len(settings.variants) * settings.num_sequences * passes_per_sequence
     with tqdm(total=steps, desc="probe", unit="pass") as progress:
         for variant in settings.variants:
             progress.set_postfix_str(variant)

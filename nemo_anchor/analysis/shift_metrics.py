@@ -1,38 +1,47 @@
 """Attention under a uniform position shift: D of Eq. 4 and D_logit of Eq. 5 (Wang et al., Section 2).
 
 RoPE is meant to encode relative positions only, so running a model with position ids
-``Δ, Δ+1, ..., Δ+T-1`` should give the same attention for every Δ. Both metrics run the model
-once with one batch row per shift and compare every layer's attention between rows.
+``Δ, Δ+1, ..., Δ+T-1`` should give the same attention for every Δ. :func:`shift_differences`
+runs the model once, one batch row per shift, and compares every layer's attention probabilities
+and first-key logits between rows; D and D_logit (for every length up to T) follow from them.
 
-What is computed, in which precision:
+What is computed, in which precision. The model runs its own forward pass in its dtype; only its
+attention kernel is swapped (through HF's ``AttentionInterface``) for :func:`fp32_score_attention`,
+which sees exactly the q, k, v the model's attention module produced:
 
-- The forward pass is the model's own (its dtype, its attention implementation). It provides
-  each layer's input hidden states, which depend on Δ through all earlier layers.
-- Each layer's q and k are recomputed from that input as the layer computes them: the q/k
-  projections in the model dtype, then HF's rotation ``x*cos + rotate_half(x)*sin`` in the model
-  dtype, with the cos/sin table the model passed to the layer (HF computes it in fp32 and casts it
-  to the model dtype). In bf16 this is where the position shift stops cancelling.
-- Logits ``q·k * scaling`` are accumulated and kept in fp32, as FlashAttention-2 and PyTorch's
-  SDPA kernels do with bf16 inputs; softmax is in fp32 under the causal (and sliding-window)
-  mask. Logits are not rounded to bf16 as HF's eager attention does, so what is measured is the
-  RoPE rounding, not a rounding of the scores that production kernels do not do.
-- Differences are summed over query tokens in fp32 and over heads and layers in float64.
+- q/k/v projections in the model dtype, then HF's rotation ``x*cos + rotate_half(x)*sin`` in the
+  model dtype with a cos/sin table computed in fp32 and cast to the model dtype. In bf16 this is
+  where the shift stops cancelling.
+- Scores ``q·k * scaling`` accumulated and kept in fp32 and a fp32 softmax under the causal (and
+  sliding-window) mask, as FlashAttention-2 and PyTorch's SDPA kernels do with bf16 inputs
+  (HF's eager attention would also round the scores to bf16; production kernels do not).
+- The probabilities are cast to the value dtype for the weighted sum, as FlashAttention-2 does;
+  the next layer's input is therefore what a bf16 model computes.
+- Differences are taken between fp32 probabilities (D) or fp32 logits (D_logit), summed over
+  query tokens in fp32 and over heads and layers in float64.
 
 Rope types whose frequencies depend on the largest position in the batch ("dynamic",
 "longrope") are refused: rows with different shifts would share one table.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Mistral and Qwen2 copy it
+from transformers import AttentionInterface
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _BATCH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
-_CHUNK_ELEMENTS = 1 << 25  # bounds the [rows, heads, T, T] score block held at once (128 MiB in fp32)
+_CHUNK_ELEMENTS = 1 << 25  # bounds the score block held at once (128 MiB in fp32)
+_QUERY_BLOCK = 256
+_ATTENTION_NAME = "nemo_anchor_shift_probe"
 
-LayerCallback = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], None]
+# (attention module, query [B,H,T,D], key [B,Hkv,T,D], value, scaling, sliding_window) -> output [B,T,H,D]
+LayerAttention = Callable[..., torch.Tensor]
+_LAYER_ATTENTION: contextvars.ContextVar[LayerAttention] = contextvars.ContextVar(_ATTENTION_NAME)
 
 
 def check_supported(model) -> None:
@@ -53,96 +62,120 @@ def causal_normalisation(length: int) -> torch.Tensor:
     return 1.0 / torch.arange(length, 0, -1, dtype=torch.float64)
 
 
-def attention_shift_difference(
-    model, input_ids: torch.Tensor, shifts: Sequence[int], reference_shift: int = 16
-) -> torch.Tensor:
-    """Per-key attention difference between each shift ``Δ1`` in ``shifts`` and ``Δ2 = reference_shift``.
+@dataclass(frozen=True)
+class ShiftDifferences:
+    """Differences between each shift ``Δ1`` and the reference ``Δ2`` for one sequence of ``T`` tokens.
 
-    Args:
-        model: a Llama-family HF causal LM (see :func:`check_supported`).
-        input_ids: int64 ``[T]``, one sequence.
-        shifts: the ``Δ1`` values; may include ``reference_shift`` (its row is then exactly 0).
+    ``attention[s, j] = n_j Σ_{l,h} Σ_i |ATTN_ij(Δ1_s) - ATTN_ij(Δ2)|``: per key ``j``, with ``ATTN``
+    layer ``l`` head ``h``'s attention probabilities and ``n`` the causal normalisation (Eq. 4
+    before its sum over ``j``; the row of ``Δ1 = 0`` is Figure 1, middle). None when not measured.
 
-    Returns:
-        float64 ``[len(shifts), T]`` (CPU): entry ``[s, j] = n_j * Σ_{l,h} Σ_i |ATTN_ij(Δ1_s) - ATTN_ij(Δ2)|``,
-        with ``ATTN`` the post-softmax attention of layer ``l``, head ``h``. Row ``s`` summed over
-        ``j`` is ``D(X, Δ1_s, Δ2)`` of Eq. 4; the row of ``Δ1 = 0`` is Figure 1 (middle).
+    ``first_key_logits[s, i] = Σ_{l,h} |A_i0(Δ1_s) - A_i0(Δ2)|``: per query ``i``, with
+    ``A_i0 = q_i·k_0 * scaling`` its logit on the first key (Eq. 5 before its mean over ``i``).
+    Both are float64 ``[len(shifts), T]`` on the CPU.
+    """
+
+    attention: torch.Tensor | None
+    first_key_logits: torch.Tensor
+
+    def D(self) -> torch.Tensor:
+        """``D(X, Δ1, Δ2)`` of Eq. 4 per shift: float64 ``[len(shifts)]``."""
+        if self.attention is None:
+            raise ValueError("attention differences were not measured (attention=False)")
+        return self.attention.sum(dim=-1)
+
+    def D_logit(self, length: int) -> torch.Tensor:
+        """``D_logit`` of Eq. 5 per shift for the sequence's first ``length`` tokens: float64 ``[len(shifts)]``.
+
+        A causal model computes the first ``length`` positions of a longer sequence exactly as it
+        computes the prefix alone, so every length up to ``T`` comes from one forward pass.
+        """
+        if not 1 <= length <= self.first_key_logits.shape[-1]:
+            raise ValueError(f"length {length} is outside [1, {self.first_key_logits.shape[-1]}]")
+        return self.first_key_logits[:, :length].sum(dim=-1) / length
+
+
+def shift_differences(
+    model, input_ids: torch.Tensor, shifts: Sequence[int], reference_shift: int = 16, *, attention: bool = True
+) -> ShiftDifferences:
+    """Run ``model`` on ``input_ids`` (int64 ``[T]``) once per shift, in one batch, and compare each
+    shift's attention (when ``attention``) and first-key logits with those of ``reference_shift``.
+
+    ``model`` is a Llama-family HF causal LM (see :func:`check_supported`); a shift equal to
+    ``reference_shift`` gives rows of exact zeros. See :class:`ShiftDifferences`.
     """
     rows = [reference_shift, *shifts]  # the reference is row 0
     length = input_ids.shape[-1]
-    column_sums = torch.zeros(len(rows), length, dtype=torch.float64)
+    attention_sums = torch.zeros(len(rows), length, dtype=torch.float64) if attention else None
+    logit_sums = torch.zeros(len(rows), length, dtype=torch.float64)
 
-    def compare_to_reference(attention, query, key):
-        hidden_keys = _hidden_keys(length, _sliding_window(attention), query.device)
-        groups = attention.num_key_value_groups
-        for heads in _head_chunks(query.shape[1], len(rows) * length * length):
-            probabilities = _attention_probabilities(query[:, heads], key[:, heads // groups], attention.scaling, hidden_keys)
-            difference = (probabilities - probabilities[:1]).abs_()
-            column_sums.add_(difference.sum(dim=2).sum(dim=1).to("cpu", torch.float64))
+    def compare_attention(probabilities):  # fp32 [rows, heads, queries, keys [0, k)]
+        difference = probabilities[1:].sub_(probabilities[:1]).abs_()
+        per_key = difference.sum(dim=2).sum(dim=1)  # Σ_h Σ_i |ATTN(Δ1) - ATTN(Δ2)|
+        attention_sums[1:, : per_key.shape[-1]] += per_key.to("cpu", torch.float64)
 
-    _run_shifted(model, input_ids, rows, compare_to_reference)
-    return column_sums[1:] * causal_normalisation(length)
+    def layer_attention(module, query, key, value, scaling, sliding_window):
+        groups = query.shape[1] // key.shape[1]
+        first_key = key[:, :, :1].float().repeat_interleave(groups, dim=1)  # [rows, H, 1, D]
+        logits = torch.matmul(query.float(), first_key.transpose(-1, -2))[..., 0] * scaling  # [rows, H, T]
+        logit_sums.add_((logits - logits[:1]).abs_().sum(dim=1).to("cpu", torch.float64))
+        inspect = compare_attention if attention else None
+        return fp32_score_attention(query, key, value, scaling, sliding_window, inspect=inspect)
+
+    _run_shifted(model, input_ids, rows, layer_attention)
+    normalised = None if attention_sums is None else attention_sums[1:] * causal_normalisation(length)
+    return ShiftDifferences(attention=normalised, first_key_logits=logit_sums[1:])
 
 
-def first_token_logit_difference(model, input_ids: torch.Tensor, shift_a: int = 0, shift_b: int = 16) -> float:
-    """``D_logit`` of Eq. 5: ``(1/T) Σ_{l,h} Σ_i |A_i0(Δa) - A_i0(Δb)|`` for one sequence ``[T]``.
+def fp32_score_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+    inspect: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Causal attention with fp32 scores and softmax; the weighted sum in the value dtype.
 
-    ``A_i0`` is the logit of query ``i`` on the first key, ``q_i·k_0 * scaling`` (fp32 accumulation
-    of the model-dtype q and k, see the module notes); logits rather than probabilities because
-    the softmax normaliser changes with ``T``.
+    Args:
+        query: ``[B, H, T, D]``; key, value: ``[B, H_kv, T, D]`` with ``H % H_kv == 0`` (GQA).
+        sliding_window: when set, query ``i`` sees keys ``j`` with ``i - window < j <= i`` (HF's convention).
+        inspect: called with every block of fp32 probabilities ``[B, h, q, k]`` (``h`` heads, ``q``
+            consecutive queries ending at ``k``, keys ``[0, k)``; later keys are masked) once the
+            block has been used, so it may overwrite it.
+
+    Returns:
+        ``[B, T, H, D]`` in the value dtype (the layout HF attention functions return).
     """
-    length = input_ids.shape[-1]
-    total = torch.zeros((), dtype=torch.float64)
-
-    def first_key_logits(attention, query, key):
-        first_key = key[:, :, :1].float().repeat_interleave(attention.num_key_value_groups, dim=1)
-        logits = torch.matmul(query.float(), first_key.transpose(-1, -2)) * attention.scaling
-        total.add_((logits[0] - logits[1]).abs().sum().to("cpu", torch.float64))
-
-    _run_shifted(model, input_ids, [shift_a, shift_b], first_key_logits)
-    return total.item() / length
-
-
-def rotated_query_key(attention, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q ``[B, H, T, D]`` and k ``[B, H_kv, T, D]`` after RoPE, in the model dtype, as ``attention`` makes them."""
-    batch, length, _ = hidden_states.shape
-    query = attention.q_proj(hidden_states).view(batch, length, -1, attention.head_dim).transpose(1, 2)
-    key = attention.k_proj(hidden_states).view(batch, length, -1, attention.head_dim).transpose(1, 2)
-    return apply_rotary_pos_emb(query, key, cos, sin)
-
-
-def _run_shifted(model, input_ids: torch.Tensor, shifts: Sequence[int], on_layer: LayerCallback) -> None:
-    """One forward of the decoder with row ``r`` at positions ``shifts[r] + [0, T)``; calls
-    ``on_layer(attention_module, query, key)`` on every layer with its rotated q and k."""
-    check_supported(model)
-    if input_ids.dim() != 1:
-        raise ValueError(f"expected one sequence of token ids [T], got shape {tuple(input_ids.shape)}")
-    decoder = model.get_decoder()
-    device = decoder.embed_tokens.weight.device
-    length = input_ids.shape[0]
-    position_ids = torch.tensor(shifts, device=device)[:, None] + torch.arange(length, device=device)
-
-    def hook(attention, args, kwargs):
-        cos, sin = kwargs["position_embeddings"]
-        on_layer(attention, *rotated_query_key(attention, kwargs["hidden_states"], cos, sin))
-
-    handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in decoder.layers]
-    try:
-        with torch.inference_mode():
-            batch = input_ids.to(device).expand(len(shifts), length)
-            decoder(input_ids=batch, position_ids=position_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _attention_probabilities(query, key, scaling: float, hidden_keys: torch.Tensor) -> torch.Tensor:
-    logits = torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scaling)
-    return logits.masked_fill_(hidden_keys, float("-inf")).softmax(dim=-1)
+    batch, num_heads, length, head_dim = query.shape
+    groups = num_heads // key.shape[1]
+    hidden_keys = _hidden_keys(length, sliding_window, query.device)
+    output = torch.empty(batch, length, num_heads, head_dim, dtype=value.dtype, device=query.device)
+    # Blocks of queries skip the keys the causal mask hides (about half of them) and bound memory.
+    queries_per_block = max(1, min(length, _QUERY_BLOCK, _CHUNK_ELEMENTS // (batch * length)))
+    heads_per_block = max(1, min(num_heads, _CHUNK_ELEMENTS // (batch * queries_per_block * length)))
+    for head_start in range(0, num_heads, heads_per_block):
+        heads = slice(head_start, min(head_start + heads_per_block, num_heads))
+        kv_heads = torch.arange(heads.start, heads.stop, device=query.device) // groups
+        keys, values = key[:, kv_heads].float(), value[:, kv_heads]
+        for query_start in range(0, length, queries_per_block):
+            rows = slice(query_start, min(query_start + queries_per_block, length))
+            visible = rows.stop  # keys after the block's last query are all masked: not computed
+            scaled_query = query[:, heads, rows].float() * scaling
+            scores = torch.matmul(scaled_query, keys[:, :, :visible].transpose(-1, -2))  # [B, h, q, visible]
+            # Only the diagonal square holds future keys; a sliding window also hides older ones.
+            first_hidden = 0 if sliding_window is not None else query_start
+            scores[..., first_hidden:].masked_fill_(hidden_keys[rows, first_hidden:visible], float("-inf"))
+            probabilities = scores.softmax(dim=-1)
+            weighted = torch.matmul(probabilities.to(value.dtype), values[:, :, :visible])
+            output[:, rows, heads] = weighted.transpose(1, 2)
+            if inspect is not None:
+                inspect(probabilities)
+    return output
 
 
 def _hidden_keys(length: int, window: int | None, device) -> torch.Tensor:
-    """bool ``[T, T]``: True where query ``i`` may not see key ``j`` (future keys, or keys a sliding window dropped)."""
+    """bool ``[T, T]``: True where query ``i`` may not see key ``j`` (a future key, or one the window dropped)."""
     offset = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)  # i - j
     hidden = offset < 0
     if window is not None:
@@ -150,12 +183,38 @@ def _hidden_keys(length: int, window: int | None, device) -> torch.Tensor:
     return hidden
 
 
-def _sliding_window(attention) -> int | None:
-    # Qwen2 sets it per layer on the module; Mistral only has it in the config; Llama has neither.
-    return getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
+def _run_shifted(model, input_ids: torch.Tensor, shifts: Sequence[int], layer_attention: LayerAttention) -> None:
+    """One decoder forward with batch row ``r`` at positions ``shifts[r] + [0, T)``, every layer's
+    attention computed by ``layer_attention``."""
+    check_supported(model)
+    if input_ids.dim() != 1:
+        raise ValueError(f"expected one sequence of token ids [T], got shape {tuple(input_ids.shape)}")
+    decoder = model.get_decoder()
+    device = decoder.embed_tokens.weight.device
+    length = input_ids.shape[0]
+    position_ids = torch.tensor(shifts, device=device)[:, None] + torch.arange(length, device=device)
+    with _attention_swapped(model, layer_attention), torch.inference_mode():
+        decoder(input_ids=input_ids.to(device).expand(len(shifts), length), position_ids=position_ids, use_cache=False)
 
 
-def _head_chunks(num_heads: int, elements_per_head: int):
-    size = max(1, _CHUNK_ELEMENTS // elements_per_head)
-    for start in range(0, num_heads, size):
-        yield torch.arange(start, min(start + size, num_heads))
+@contextlib.contextmanager
+def _attention_swapped(model, layer_attention: LayerAttention):
+    original = model.config._attn_implementation
+    token = _LAYER_ATTENTION.set(layer_attention)
+    model.set_attn_implementation(_ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
+        _LAYER_ATTENTION.reset(token)
+
+
+def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention-interface entry point: hands the layer's q, k, v to the active metric."""
+    if attention_mask is not None:
+        raise ValueError("the shift probe runs unpadded sequences and builds its own causal mask")
+    scaling = module.scaling if scaling is None else scaling
+    return _LAYER_ATTENTION.get()(module, query, key, value, scaling, kwargs.get("sliding_window")), None
+
+
+AttentionInterface.register(_ATTENTION_NAME, _probe_attention)

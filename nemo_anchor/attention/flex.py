@@ -32,7 +32,8 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
 @functools.cache
 def _compiled_flex_attention():
     # Eager flex_attention computes the full score matrix; the compiled kernel skips empty tiles.
-    return torch.compile(flex_attention)
+    # static shapes: the dynamic-shape CPU template of torch 2.13 fails to compile in bfloat16
+    return torch.compile(flex_attention, dynamic=False)
 
 
 @functools.lru_cache(maxsize=16)
@@ -49,6 +50,8 @@ def block_mask(blocks: tuple[QueryBlock, ...], q_offset: int, total: int, device
     # [key_start of its first row, position of its last row]
     touched = (first_key[None] <= q_offset + last_row[:, None]) & (last_key[None] >= key_start[first_row][:, None])
     full = (first_key[None] >= key_start[last_row][:, None]) & (last_key[None] <= q_offset + first_row[:, None])
+    # tiles cut by the end of the sequence stay partial so the kernel masks their padding
+    full &= ((last_row - first_row + 1 == TILE)[:, None]) & ((last_key - first_key + 1 == TILE)[None])
     rows = torch.nonzero(anchor >= 0).squeeze(1)
     touched[rows // TILE, anchor[rows] // TILE] = True
     partial = touched & ~full

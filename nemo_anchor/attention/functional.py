@@ -8,10 +8,9 @@ import torch
 
 from nemo_anchor.attention.layout import MODES, layout_blocks
 
-# name -> module implementing `unavailable_reason(q, needs_grad)` and
-# `attention(q, k, v, blocks, q_offset, scale)`; imported on first use
-_BACKEND_MODULES = {name: f"nemo_anchor.attention.{name}" for name in ("reference", "cpu", "flex", "flash", "te")}
-BACKENDS = ("auto", *_BACKEND_MODULES)
+# each backend is the module nemo_anchor.attention.<name>, imported on first use, with
+# `unavailable_reason(q, needs_grad) -> str | None` and `attention(q, k, v, blocks, q_offset, scale)`
+BACKENDS = ("auto", "reference", "cpu", "flex", "flash", "te")
 # "auto" takes the first that can run: the GPU kernels, then ours on the CPU, then the oracle
 _AUTO_ORDER = ("flash", "te", "cpu", "flex", "reference")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -114,14 +113,14 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: 
 
 
 def _select_backend(backend: str, q: torch.Tensor, needs_grad: bool):
-    if backend != "auto":
-        implementation = importlib.import_module(_BACKEND_MODULES[backend])
-        reason = implementation.unavailable_reason(q, needs_grad)
-        if reason is not None:
-            raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
-        return implementation
-    for name in _AUTO_ORDER:
-        implementation = importlib.import_module(_BACKEND_MODULES[name])
-        if implementation.unavailable_reason(q, needs_grad) is None:
-            return implementation
-    raise AssertionError("the reference backend runs everywhere")
+    if backend == "auto":  # the reference runs everywhere: there always is one
+        return next(m for m in map(_backend_module, _AUTO_ORDER) if m.unavailable_reason(q, needs_grad) is None)
+    implementation = _backend_module(backend)
+    reason = implementation.unavailable_reason(q, needs_grad)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
+    return implementation
+
+
+def _backend_module(name: str):
+    return importlib.import_module(f"nemo_anchor.attention.{name}")

@@ -9,9 +9,11 @@ when the block has one, its ``anchor`` key (always before ``key_start``):
 - ``anchor``: one block per document; a document that does not begin its window gets the
   window's first token as anchor (the window's first document holds it already).
 
-When the queries are only the positions ``[q_offset, q_offset + Tq)`` of the keys' sequence
-(context parallelism), each block keeps its rows inside that range and ``key_start`` may lie
-before its first query: the keys between are then visible to every query of the block.
+``key_start`` may lie before the block's first query: the keys between are visible to every
+query of the block. This happens when the queries are only the positions
+``[q_offset, q_offset + Tq)`` of the keys' sequence (context parallelism: each block keeps its
+rows inside that range), and when a window's first document is the anchor alone (the anchor
+and the next document's keys are then one interval).
 """
 from __future__ import annotations
 
@@ -68,18 +70,23 @@ def query_blocks(
     doc_bounds: tuple[int, ...], window_bounds: tuple[int, ...], mode: str, q_offset: int, q_len: int
 ) -> tuple[QueryBlock, ...]:
     """The query blocks (see the module docstring) of queries ``[q_offset, q_offset + q_len)``."""
+    segments = []  # (key_start, start, end, anchor)
     if mode == "full":
-        segments = [(start, end, None) for start, end in zip(window_bounds, window_bounds[1:])]
+        segments = [(start, start, end, None) for start, end in zip(window_bounds, window_bounds[1:])]
     else:
-        window_starts = set(window_bounds[:-1])
-        segments, anchor = [], 0
+        window_starts, anchor = set(window_bounds[:-1]), 0
         for start, end in zip(doc_bounds, doc_bounds[1:]):
             anchor = start if start in window_starts else anchor
-            segments.append((start, end, anchor if mode == "anchor" and anchor != start else None))
+            if mode == "intra_doc" or anchor == start:
+                segments.append((start, start, end, None))
+            elif anchor == start - 1:  # the window's first document is its anchor alone: one interval
+                segments.append((anchor, start, end, None))
+            else:
+                segments.append((start, start, end, anchor))
     q_end = q_offset + q_len
     return tuple(
-        QueryBlock(start, max(start, q_offset), min(end, q_end), anchor)
-        for start, end, anchor in segments
+        QueryBlock(key_start, max(start, q_offset), min(end, q_end), anchor)
+        for key_start, start, end, anchor in segments
         if start < q_end and end > q_offset
     )
 
@@ -115,8 +122,12 @@ def varlen_plan(blocks: tuple[QueryBlock, ...], device: torch.device) -> VarlenP
     if all(b.anchor is None for b in blocks):  # blocks tile [first key_start, last end)
         kv_rows: slice | torch.Tensor = slice(blocks[0].key_start, blocks[-1].end)
     else:
-        rows = [torch.tensor([b.anchor] if b.anchor is not None else [], dtype=torch.long) for b in blocks]
-        kv_rows = torch.cat([r for b, a in zip(blocks, rows) for r in (a, torch.arange(b.key_start, b.end))]).to(device)
+        pieces = []
+        for b in blocks:
+            if b.anchor is not None:
+                pieces.append(torch.tensor([b.anchor]))
+            pieces.append(torch.arange(b.key_start, b.end))
+        kv_rows = torch.cat(pieces).to(device)
 
     def cumulative(lengths: list[int]) -> torch.Tensor:
         return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)

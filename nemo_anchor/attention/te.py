@@ -28,8 +28,8 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _module(te, heads: int, kv_heads: int, head_dim: int, scale: float):
-    return te.DotProductAttention(
+def _module(dot_product_attention: type, heads: int, kv_heads: int, head_dim: int, scale: float):
+    return dot_product_attention(
         heads, head_dim, num_gqa_groups=kv_heads, attention_dropout=0.0,
         qkv_format="thd", attn_mask_type=_MASK, softmax_scale=scale,
     )
@@ -38,7 +38,7 @@ def _module(te, heads: int, kv_heads: int, head_dim: int, scale: float):
 def attention(q, k, v, blocks, q_offset, scale):
     te, _ = gpu.transformer_engine_pytorch()
     plan = varlen_plan(blocks, q.device)
-    module = _module(te, q.shape[1], k.shape[1], q.shape[2], scale)
+    module = _module(te.DotProductAttention, q.shape[1], k.shape[1], q.shape[2], scale)
     out = module(
         query_layer=q, key_layer=k[plan.kv_rows], value_layer=v[plan.kv_rows],
         qkv_format="thd", attn_mask_type=_MASK,

@@ -36,6 +36,9 @@ def to_hf_config(cfg: ModelConfig, vocab_size: int, *, bos_token_id=None, eos_to
         raise ValueError(f"model.add_qkv_bias=True: HF {HF_CLASSES[cfg.architecture][1]} has no q/k/v-only biases; "
                          f"set model.architecture=qwen2 to export this model")
     rope_scaling = None
+    if cfg.rope_scaling == "yarn" and cfg.architecture == "mistral":
+        raise ValueError("model.rope_scaling=yarn: HF MistralForCausalLM has no RoPE scaling; export YaRN models "
+                         "as architecture llama (same weights and layout)")
     if cfg.rope_scaling == "yarn":
         rope_scaling = {"rope_type": "yarn", "factor": float(cfg.rope_scaling_factor),
                         "original_max_position_embeddings": int(cfg.original_max_position_embeddings)}
@@ -57,11 +60,12 @@ def to_hf_config(cfg: ModelConfig, vocab_size: int, *, bos_token_id=None, eos_to
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        torch_dtype=dtype,
+        dtype=dtype,
     )
     if cfg.architecture == "llama":
         fields.update(attention_bias=False, mlp_bias=False)
     elif cfg.architecture == "mistral":
+        del fields["rope_scaling"]
         fields.update(sliding_window=None)
     else:
         fields.update(use_sliding_window=False)
@@ -85,7 +89,7 @@ def model_config_from_hf(hf_config, *, source: str = "config.json", **overrides)
     if (arch == "qwen2" and hf_config.use_sliding_window) or (
             arch == "mistral" and window is not None and window < hf_config.max_position_embeddings):
         refuse("sliding_window", window, "sliding-window attention is not implemented")
-    scaling = dict(hf_config.rope_scaling or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})  # MistralConfig has no such field
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "yarn"):
         refuse("rope_scaling", scaling, "only plain RoPE and YaRN")

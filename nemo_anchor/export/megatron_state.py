@@ -17,6 +17,7 @@ The same Llama-shaped model reaches us under three sets of names:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Mapping
 
@@ -128,4 +129,20 @@ def load_into_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *
     missing = sorted(own - set(renamed))
     if missing:
         raise ValueError(f"{source}: no weights for {missing[:4]}")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in own}
+    for key, value in renamed.items():
+        if tuple(value.shape) != shapes[key]:
+            raise ValueError(f"{source}: {key} has shape {tuple(value.shape)}, the model's is {shapes[key]}")
     model.load_state_dict(renamed, strict=False)
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
+    """A single-process Megatron GPTModel of ``cfg`` for conversion and inference (fp32 weights).
+
+    Context parallelism and activation recompute are training-time choices and are switched off.
+    """
+    from nemo_anchor.model.gpt import build_gpt_model
+    from nemo_anchor.parallel.distributed import initialize_parallel
+
+    initialize_parallel()
+    return build_gpt_model(dataclasses.replace(cfg, context_parallel_size=1, recompute="none"), vocab_size)

@@ -8,6 +8,7 @@ context-parallel runs reproduce the single-process loss.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -114,6 +115,7 @@ class Trainer:
         self.step = 0
         self._prepare_output_dir(vocab_size)
         self._resume()
+        self._windows = iter(self.sampler)  # counts what it yields: its state is what was consumed
 
     # ----------------------------------------------------------------- setup
     def _prepare_output_dir(self, vocab_size: int) -> None:
@@ -166,7 +168,7 @@ class Trainer:
     def train_step(self) -> dict:
         t = self.config.trainer
         lr = learning_rate(self.step, self.config.optim, t.max_steps)
-        batches = [self._load(self.sampler.take(t.micro_batch_size)) for _ in range(self.accumulation)]
+        batches = [self._load(itertools.islice(self._windows, t.micro_batch_size)) for _ in range(self.accumulation)]
         loss_tokens = _all_reduce_sum(
             torch.stack([b["loss_mask"].sum() for b in batches]).sum().double(), self.grad_group)
         loss_sum = torch.zeros((), dtype=torch.float64)

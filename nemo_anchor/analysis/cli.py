@@ -1,0 +1,76 @@
+"""``nemo-anchor probe``: the BF16 RoPE probe (Figure 1 of the paper) for one model."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nemo_anchor.analysis.probe import PAPER_LENGTHS, PAPER_SHIFTS, VARIANTS, ProbeSettings
+from nemo_anchor.evaluation.cli import add_model_arguments
+
+DEFAULTS = ProbeSettings()
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "probe",
+        help="measure how bf16 breaks RoPE's relative positions (Figure 1 of the paper)",
+        description=(
+            "Writes OUTPUT/probe.json ({variant: {D, per_token, D_logit}}), OUTPUT/probe_settings.json "
+            "and OUTPUT/figure1.png."
+        ),
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--output", type=Path, required=True, help="directory for probe.json and the plot")
+    parser.add_argument(
+        "--data", type=Path, nargs="+", required=True,
+        help="a packed dataset directory, or text / JSONL files (one document per file / line)",
+    )
+    parser.add_argument("--text-key", default="text", help="JSONL field holding the text (default: text)")
+    parser.add_argument("--num-sequences", type=int, default=DEFAULTS.num_sequences, help="sequences averaged over")
+    parser.add_argument("--sequence-length", type=int, default=DEFAULTS.sequence_length, help="tokens per sequence for D")
+    parser.add_argument("--shifts", type=int, nargs="+", default=list(PAPER_SHIFTS), help="the Δ1 values (paper's list)")
+    parser.add_argument("--reference-shift", type=int, default=DEFAULTS.reference_shift, help="Δ2 (default 16)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(PAPER_LENGTHS), help="sequence lengths for D_logit")
+    parser.add_argument("--max-length", type=int, default=DEFAULTS.max_length, help="cap on the D_logit lengths")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the random_bf16 initialisation")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nemo_anchor.analysis.plots import plot_figure1
+    from nemo_anchor.analysis.probe import run_probe
+    from nemo_anchor.evaluation.outputs import write_json
+
+    settings = ProbeSettings(
+        num_sequences=args.num_sequences,
+        sequence_length=args.sequence_length,
+        shifts=tuple(args.shifts),
+        reference_shift=args.reference_shift,
+        lengths=tuple(args.lengths),
+        max_length=args.max_length,
+        variants=tuple(args.variants),
+        seed=args.seed,
+    )
+    model_path = args.checkpoint or args.hf
+    results, metadata = run_probe(model_path, args.data, settings, device=args.device, text_key=args.text_key)
+    write_json(args.output / "probe.json", results)
+    write_json(args.output / "probe_settings.json", metadata)
+    plot_figure1(results, settings.reference_shift, args.output / "figure1.png")
+    print(summary(results, settings.reference_shift))
+    print(f"wrote {args.output / 'probe.json'} and {args.output / 'figure1.png'}")
+    return 0
+
+
+def summary(results: dict, reference_shift: int) -> str:
+    """A few lines a person reads: D at Δ1 = 0, the first token's share of it, D_logit at the longest length."""
+    lines = [f"{'variant':<12} {'D(0,' + str(reference_shift) + ')':>12} {'first-token share':>18} {'D_logit':>12} (length)"]
+    for variant, measured in results.items():
+        per_token = measured["per_token"]
+        total = sum(per_token)
+        share = per_token[0] / total if total > 0 else float("nan")
+        longest = max(measured["D_logit"], key=int, default=None)
+        logit = f"{measured['D_logit'][longest]:12.4g} ({longest})" if longest else f"{'-':>12}"
+        lines.append(f"{variant:<12} {total:12.4g} {share:18.1%} {logit}")
+    return "\n".join(lines)

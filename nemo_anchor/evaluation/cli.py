@@ -1,0 +1,84 @@
+"""``nemo-anchor eval``: RULER-style tasks and perplexity by position, for one model or the last K checkpoints."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nemo_anchor.evaluation.models import DTYPES
+from nemo_anchor.evaluation.ruler import TASKS
+from nemo_anchor.evaluation.runner import EvalSettings
+
+DEFAULTS = EvalSettings()
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="RULER-style long-context tasks and perplexity by position",
+        description=(
+            "Writes OUTPUT/eval.json (per run and mean), OUTPUT/predictions.jsonl and OUTPUT/eval.png, "
+            "and prints the tables. With --last-k K, --checkpoint is a training output_dir whose last K "
+            "checkpoints (OUTPUT_DIR/checkpoints/iter_<N>) are evaluated and averaged."
+        ),
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--output", type=Path, required=True, help="directory for eval.json, predictions and the plot")
+    parser.add_argument("--last-k", type=int, help="average over the last K checkpoints of --checkpoint OUTPUT_DIR")
+    parser.add_argument(
+        "--tasks", nargs="*", choices=sorted(TASKS), default=list(DEFAULTS.tasks), metavar="TASK",
+        help=f"RULER-style tasks (default: all of {', '.join(TASKS)}); none to skip them",
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", help="context lengths (default: 4K..128K up to the model's maximum)")
+    parser.add_argument("--num-samples", type=int, default=DEFAULTS.num_samples, help="samples per task and length")
+    parser.add_argument("--max-new-tokens", type=int, help="override every task's generation budget")
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the generated tasks")
+    parser.add_argument("--perplexity-data", nargs="+", default=[], help="packed dataset directory or text/JSONL files")
+    parser.add_argument("--perplexity-length", type=int, default=DEFAULTS.perplexity_length, help="tokens per window")
+    parser.add_argument("--perplexity-windows", type=int, default=DEFAULTS.perplexity_windows, help="windows averaged over")
+    parser.add_argument("--perplexity-buckets", type=int, default=DEFAULTS.perplexity_buckets, help="position buckets")
+    parser.add_argument("--text-key", default=DEFAULTS.text_key, help="JSONL field holding the text")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    parser.set_defaults(func=run)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--checkpoint DIR | --hf DIR``, shared by ``nemo-anchor eval`` and ``nemo-anchor probe``."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="a training output_dir or one of its checkpoint directories")
+    source.add_argument("--hf", type=Path, help="a local Hugging Face model directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from nemo_anchor.evaluation.checkpoints import last_checkpoints
+    from nemo_anchor.evaluation.models import parse_dtype
+    from nemo_anchor.evaluation.outputs import write_json, write_jsonl
+    from nemo_anchor.evaluation.report import format_tables, plot_report
+    from nemo_anchor.evaluation.runner import evaluate_paths
+
+    if args.last_k is not None:
+        if args.checkpoint is None:
+            raise ValueError("--last-k needs --checkpoint OUTPUT_DIR (a training output_dir)")
+        models = [(path, iteration) for iteration, path in last_checkpoints(args.checkpoint, args.last_k)]
+        print(f"averaging over {len(models)} checkpoints: {', '.join(path.name for path, _ in models)}")
+    else:
+        models = [(args.checkpoint or args.hf, None)]
+    settings = EvalSettings(
+        tasks=tuple(args.tasks),
+        lengths=tuple(args.lengths) if args.lengths else None,
+        num_samples=args.num_samples,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        perplexity_data=tuple(args.perplexity_data),
+        perplexity_length=args.perplexity_length,
+        perplexity_windows=args.perplexity_windows,
+        perplexity_buckets=args.perplexity_buckets,
+        text_key=args.text_key,
+    )
+    report, predictions = evaluate_paths(models, settings, dtype=parse_dtype(args.dtype), device=args.device)
+    write_json(args.output / "eval.json", report)
+    write_jsonl(args.output / "predictions.jsonl", predictions)
+    plot_report(report, args.output / "eval.png")
+    print(format_tables(report))
+    print(f"wrote {args.output / 'eval.json'} and {args.output / 'eval.png'}")
+    return 0

@@ -1,0 +1,57 @@
+"""``nemo-anchor export-hf CHECKPOINT OUT_DIR`` and ``nemo-anchor import-hf HF_DIR OUT``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers) -> None:
+    export = subparsers.add_parser(
+        "export-hf", help="write a Hugging Face Llama/Mistral/Qwen2 directory from a checkpoint",
+        description="CHECKPOINT is a training output_dir (its latest checkpoint), one checkpoints/iter_NNNNNNN "
+                    "directory, or a NeMo 2 checkpoint directory (weights/ and context/). The output loads "
+                    "with transformers' AutoModelForCausalLM offline, without custom code.")
+    export.add_argument("checkpoint")
+    export.add_argument("out_dir")
+    export.add_argument("--dtype", choices=_DTYPES, default="float32",
+                        help="dtype of the saved weights (default: float32, lossless from fp32 training)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    export.set_defaults(func=run_export)
+
+    imported = subparsers.add_parser(
+        "import-hf", help="turn a local Hugging Face Llama/Mistral/Qwen2 directory into a starting checkpoint",
+        description="Writes OUT/config.yaml (the model section read from the HF config), OUT/tokenizer/ and "
+                    "OUT/checkpoints/iter_0000000. Start training from it with model.init_from_hf=OUT "
+                    "(an HF directory works there directly too).")
+    imported.add_argument("hf_dir")
+    imported.add_argument("out")
+    imported.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    imported.set_defaults(func=run_import)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from nemo_anchor.export.hf import export_hf
+
+    return _reporting_errors(lambda: export_hf(args.checkpoint, args.out_dir, dtype=getattr(torch, args.dtype),
+                                               overwrite=args.overwrite))
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from nemo_anchor.export.hf import import_hf
+
+    return _reporting_errors(lambda: import_hf(args.hf_dir, args.out, overwrite=args.overwrite))
+
+
+def _reporting_errors(write) -> int:
+    """Run ``write``; bad input (missing, corrupt, unsupported) is one line on stderr and exit code 1."""
+    try:
+        out = write()
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0

@@ -1,0 +1,201 @@
+"""Read a model from any directory a user may point at, into one form.
+
+Accepted, told apart by their files:
+
+- a Hugging Face directory (``config.json``): a Llama, Mistral or Qwen2 checkpoint;
+- a NeMo 2 checkpoint (``weights/`` written by ``dist_checkpointing``, ``context/model.yaml``
+  for the config, ``context/nemo_tokenizer/`` for HF tokenizer files when NeMo used one);
+- a nemo-anchor training ``output_dir`` (its latest checkpoint) or one ``iter_NNNNNNN``
+  checkpoint directory (``nemo_anchor.training.checkpoint`` layout).
+
+Dist checkpoints are read tensor by tensor from their metadata, without building a model,
+so NeMo's Transformer-Engine parameter names need no TE here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nemo_anchor.export.hf_mapping import hf_to_megatron_state, model_config_from_hf
+from nemo_anchor.export.megatron_state import canonical_state, check_state
+from nemo_anchor.model.config import ModelConfig
+
+HF = "huggingface"
+NEMO2 = "nemo2"
+NEMO_ANCHOR = "nemo-anchor"
+
+# NeMo 2 config class name (its ``_target_``) -> our architecture; checked in order
+_NEMO_ARCHITECTURES = (("Qwen2", "qwen2"), ("Mistral", "mistral"), ("Llama", "llama"))
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A model as read from disk: its config and weights in canonical Megatron form."""
+
+    path: Path  # the directory the weights came from
+    kind: str  # HF | NEMO2 | NEMO_ANCHOR
+    config: ModelConfig
+    vocab_size: int  # rows of the embedding (NeMo pads the tokenizer's vocabulary)
+    state: dict[str, torch.Tensor]  # see nemo_anchor.export.megatron_state
+    tokenizer_dir: Optional[Path]  # HF tokenizer files, when the checkpoint has them
+
+
+def checkpoint_kind(path: str | os.PathLike) -> str:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
+    if (path / "config.json").is_file():
+        return HF
+    if (path / "weights").is_dir() and (path / "context").is_dir():
+        return NEMO2
+    return NEMO_ANCHOR
+
+
+def read_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
+    """Config, weights and tokenizer location of a checkpoint of any accepted kind (module docstring).
+
+    Raises FileNotFoundError for a missing path or file, ValueError for unreadable, corrupt or
+    unsupported content (the message names the file and the key).
+    """
+    kind = checkpoint_kind(path)
+    reader = {HF: _read_huggingface, NEMO2: _read_nemo2, NEMO_ANCHOR: _read_nemo_anchor}[kind]
+    return reader(Path(path))
+
+
+def _read_huggingface(path: Path) -> LoadedCheckpoint:
+    import transformers
+
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(path)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{path / 'config.json'}: not a readable transformers config: {err}") from None
+    config = model_config_from_hf(hf_config, source=str(path / "config.json"))
+    try:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{path}: cannot load the Hugging Face weights: {err}") from None
+    state = hf_to_megatron_state(hf_model.state_dict(), config, source=str(path))
+    return _checked(path, HF, config, state, find_tokenizer_dir(path))
+
+
+def _read_nemo2(path: Path) -> LoadedCheckpoint:
+    config = _model_config_from_nemo2(path / "context" / "model.yaml")
+    tensors = read_dist_checkpoint(path / "weights", prefix="module.")
+    state = canonical_state(tensors, config.num_layers, source=str(path / "weights"))
+    return _checked(path, NEMO2, config, state, find_tokenizer_dir(path / "context" / "nemo_tokenizer"))
+
+
+def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
+    from nemo_anchor.training.checkpoint import read_run_config, resolve_checkpoint
+
+    ckpt_dir = resolve_checkpoint(path)
+    source = ckpt_dir / "config.yaml"
+    try:
+        config: ModelConfig = OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(ModelConfig), read_run_config(ckpt_dir).model))
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{source}: invalid model section: {err.msg} (key: model.{err.full_key})") from None
+    tensors = read_dist_checkpoint(ckpt_dir, prefix="model.")
+    state = canonical_state(tensors, config.num_layers, source=str(ckpt_dir))
+    # layout: OUTPUT_DIR/checkpoints/iter_NNNNNNN, tokenizer in OUTPUT_DIR/tokenizer
+    return _checked(ckpt_dir, NEMO_ANCHOR, config, state, find_tokenizer_dir(ckpt_dir.parent.parent / "tokenizer"))
+
+
+def _checked(path, kind, config, state, tokenizer_dir) -> LoadedCheckpoint:
+    embedding = state.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise ValueError(f"{path}: no embedding.word_embeddings.weight among the weights")
+    vocab_size = embedding.shape[0]
+    check_state(state, config, vocab_size, source=str(path))
+    return LoadedCheckpoint(path, kind, config, vocab_size, state, tokenizer_dir)
+
+
+def find_tokenizer_dir(path: Path) -> Optional[Path]:
+    """``path`` if it holds HF tokenizer files, else None."""
+    return path if any((path / name).is_file() for name in _TOKENIZER_FILES) else None
+
+
+def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` of a Megatron ``dist_checkpointing`` directory, whole, prefix removed."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from nemo_anchor.parallel.distributed import initialize_parallel
+
+    if not (ckpt_dir / "metadata.json").is_file():
+        raise FileNotFoundError(f"not a dist_checkpointing directory (no metadata.json): {ckpt_dir}")
+    initialize_parallel()  # dist_checkpointing reads through torch.distributed, even for one process
+    try:
+        metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+        wanted = {key: sharded for key, sharded in metadata.items() if key.startswith(prefix)}
+        if not wanted:
+            found = sorted({key.split(".")[0] + "." for key in metadata})
+            raise ValueError(f"{ckpt_dir}: no tensors under '{prefix}' (found prefixes {found})")
+        loaded = dist_checkpointing.load(wanted, str(ckpt_dir), validate_access_integrity=False)
+    except ValueError:
+        raise
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise ValueError(f"{ckpt_dir}: corrupt or unreadable checkpoint ({type(err).__name__}: {err})") from None
+    # `load` merges the checkpoint's common (non-sharded) state in: optimizer, sampler, RNG
+    return {key[len(prefix):]: tensor for key, tensor in loaded.items() if key.startswith(prefix)}
+
+
+def _model_config_from_nemo2(model_yaml: Path) -> ModelConfig:
+    """Our ``model:`` section from a NeMo 2 ``context/model.yaml`` (its ``config:`` entry)."""
+    if not model_yaml.is_file():
+        raise FileNotFoundError(f"NeMo 2 checkpoint without its config: {model_yaml}")
+    try:
+        nemo = (yaml.safe_load(model_yaml.read_text()) or {}).get("config")
+    except yaml.YAMLError as err:
+        raise ValueError(f"{model_yaml}: corrupt YAML: {err}") from None
+    if not isinstance(nemo, dict):
+        raise ValueError(f"{model_yaml}: no 'config' section")
+
+    def need(key, expected):
+        value = nemo.get(key)
+        if isinstance(value, dict):  # callables are serialised as {_target_: module.function, ...}
+            value = str(value.get("_target_", "")).rsplit(".", 1)[-1]
+        if value != expected:
+            raise ValueError(f"{model_yaml}: config.{key}={value!r} is not supported (expected {expected!r})")
+
+    target = str(nemo.get("_target_", ""))
+    class_name = target.rsplit(".", 1)[-1]
+    architecture = next((arch for marker, arch in _NEMO_ARCHITECTURES if marker in class_name), None)
+    if architecture is None:
+        raise ValueError(f"{model_yaml}: unknown architecture {target!r}; supported: NeMo Llama, Mistral and "
+                         f"Qwen2 configs and nemo_anchor.nemo's")
+    need("normalization", "RMSNorm")
+    need("gated_linear_unit", True)
+    need("activation_func", "silu")
+    need("position_embedding_type", "rope")
+    try:
+        heads = nemo["num_attention_heads"]
+        kv_channels = nemo.get("kv_channels")
+        return ModelConfig(
+            architecture=architecture,
+            attention_type=nemo.get("attention_type", "anchor"),
+            num_layers=nemo["num_layers"],
+            hidden_size=nemo["hidden_size"],
+            ffn_hidden_size=nemo["ffn_hidden_size"],
+            num_attention_heads=heads,
+            num_query_groups=nemo.get("num_query_groups") or heads,
+            head_dim=None if kv_channels in (None, nemo["hidden_size"] // heads) else kv_channels,
+            seq_length=nemo.get("seq_length", 4096),
+            rotary_base=str(float(nemo.get("rotary_base", 10000))),
+            norm_epsilon=nemo.get("layernorm_epsilon", 1e-5),
+            tie_embeddings=bool(nemo.get("share_embeddings_and_output_weights", False)),
+            add_qkv_bias=bool(nemo.get("add_qkv_bias", False)),
+            rope_in_fp32=bool(nemo.get("rope_in_fp32", False)),
+        )
+    except KeyError as err:
+        raise ValueError(f"{model_yaml}: config.{err.args[0]} is missing") from None
+    except ValueError as err:
+        raise ValueError(f"{model_yaml}: {err}") from None

@@ -1,0 +1,136 @@
+"""NeMo 2 recipes for AnchorAttention long-context continued pretraining (the paper's Table 1).
+
+Each recipe is a ``run.Partial`` of ``llm.pretrain``, registered as a NeMo-Run factory::
+
+    nemo llm pretrain --factory nemo_anchor.nemo.recipes.anchor_llama2_7b --yaml run.yaml
+
+(the dotted path imports this module, which registers the factories). ``run.yaml`` overrides
+any field, for example::
+
+    data:
+      path: /data/slimpajama-128k        # nemo-anchor pack --seq-length 131072 output
+    model:
+      config:
+        attention_type: anchor           # full | intra_doc | intra_doc_reset | anchor
+    resume:
+      restore_config:
+        path: /ckpt/llama2-7b-nemo       # `nemo llm import` of the HF model to continue from
+
+Training itself needs CUDA GPUs (NeMo's MegatronStrategy); see ``configs/nemo/README.md``.
+"""
+
+from typing import Optional
+
+import nemo_run as run
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from nemo import lightning as nl
+from nemo.collections import llm
+from nemo.collections.llm.recipes.log.default import default_log, default_resume, tensorboard_logger
+from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed
+
+from nemo_anchor.model.config import paper_rotary_base
+from nemo_anchor.nemo.config import PRESETS
+from nemo_anchor.nemo.data import AnchorPackedDataModule
+
+
+def anchor_trainer(num_nodes: int = 1, num_gpus_per_node: int = 8, tensor_parallelism: int = 1,
+                   context_parallelism: int = 8, max_steps: int = 2000) -> run.Config[nl.Trainer]:
+    """GPU trainer: Megatron strategy, bf16 mixed precision (fp32 master weights and grads), no sampler of Lightning's."""
+    strategy = run.Config(
+        nl.MegatronStrategy,
+        tensor_model_parallel_size=tensor_parallelism,
+        context_parallel_size=context_parallelism,
+        sequence_parallel=tensor_parallelism > 1,
+        ckpt_async_save=True,
+        ckpt_parallel_load=True,
+        gradient_as_bucket_view=True,
+        ddp=run.Config(DistributedDataParallelConfig, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                       overlap_param_gather=True, average_in_collective=True, check_for_nan_in_grad=True),
+    )
+    return run.Config(
+        nl.Trainer,
+        accelerator="gpu",
+        devices=num_gpus_per_node,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        plugins=bf16_mixed(),
+        max_steps=max_steps,
+        log_every_n_steps=1,
+        val_check_interval=max_steps,
+        limit_val_batches=8,
+        use_distributed_sampler=False,
+    )
+
+
+def anchor_optimizer(lr: float = 2e-5) -> run.Config[nl.MegatronOptimizerModule]:
+    """The paper's AdamW: weight decay 0.1, betas (0.9, 0.95), constant learning rate 2e-5, clipping at 1."""
+    return run.Config(
+        nl.MegatronOptimizerModule,
+        config=run.Config(OptimizerConfig, optimizer="adam", lr=lr, weight_decay=0.1, adam_beta1=0.9,
+                          adam_beta2=0.95, clip_grad=1.0, bf16=True, use_distributed_optimizer=True),
+    )
+
+
+def anchor_pretrain_recipe(
+    preset: str = "llama2_7b",
+    data_path: Optional[str] = None,
+    dir: Optional[str] = None,
+    name: str = "anchor",
+    attention_type: str = "anchor",
+    seq_length: int = 131_072,
+    num_nodes: int = 1,
+    num_gpus_per_node: int = 8,
+    tensor_parallelism: int = 1,
+    context_parallelism: int = 8,
+    max_steps: int = 2000,
+    global_batch_size: int = 8,
+    micro_batch_size: int = 1,
+    lr: float = 2e-5,
+) -> run.Partial:
+    """``llm.pretrain`` of a paper preset (``nemo_anchor.nemo.config.PRESETS``) on packed windows.
+
+    The RoPE base follows the paper's schedule for ``seq_length`` (5M at 64K, 10M at 128K).
+    ``data_path`` is a ``nemo-anchor pack`` directory packed at ``seq_length``.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r}: choose one of {sorted(PRESETS)}")
+    config_class, model_class = PRESETS[preset]
+    model = run.Config(model_class, config=run.Config(
+        config_class, attention_type=attention_type, seq_length=seq_length,
+        rotary_base=paper_rotary_base(seq_length)))
+    data = run.Config(AnchorPackedDataModule, path=data_path, seq_length=seq_length,
+                      micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    return run.Partial(
+        llm.pretrain,
+        model=model,
+        trainer=anchor_trainer(num_nodes, num_gpus_per_node, tensor_parallelism, context_parallelism, max_steps),
+        data=data,
+        log=default_log(dir=dir, name=name, tensorboard_logger=tensorboard_logger(name=name)),
+        optim=anchor_optimizer(lr),
+        resume=default_resume(),
+    )
+
+
+@run.cli.factory(target=llm.pretrain, name="anchor_llama2_7b")
+def anchor_llama2_7b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+    """Llama-2-7B, the paper's main model."""
+    return anchor_pretrain_recipe("llama2_7b", data_path=data_path, seq_length=seq_length, name="anchor_llama2_7b")
+
+
+@run.cli.factory(target=llm.pretrain, name="anchor_llama3_8b")
+def anchor_llama3_8b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+    return anchor_pretrain_recipe("llama3_8b", data_path=data_path, seq_length=seq_length, name="anchor_llama3_8b")
+
+
+@run.cli.factory(target=llm.pretrain, name="anchor_mistral_7b_v03")
+def anchor_mistral_7b_v03(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+    return anchor_pretrain_recipe("mistral_7b_v0.3", data_path=data_path, seq_length=seq_length,
+                                  name="anchor_mistral_7b_v03")
+
+
+@run.cli.factory(target=llm.pretrain, name="anchor_qwen15_1p8b")
+def anchor_qwen15_1p8b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+    """Qwen-1.5-1.8B: no BOS token; pack with a tokenizer whose anchor is EOS (Section 5.3)."""
+    return anchor_pretrain_recipe("qwen1.5_1.8b", data_path=data_path, seq_length=seq_length,
+                                  name="anchor_qwen15_1p8b", tensor_parallelism=1, context_parallelism=4)

@@ -1,0 +1,114 @@
+"""Bad input to export/import: clear errors that name the problem, and nothing half-written left behind."""
+import json
+
+import pytest
+import torch
+import transformers
+
+from nemo_anchor.cli import main
+from nemo_anchor.data import byte_tokenizer
+from nemo_anchor.export.hf import export_hf, import_hf, init_model_from_hf
+from nemo_anchor.export.inference import load_checkpoint
+from nemo_anchor.export.megatron_state import build_model
+from nemo_anchor.model.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    config = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    byte_tokenizer().save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ours_dir(hf_dir, tmp_path_factory):
+    return import_hf(hf_dir, tmp_path_factory.mktemp("ours") / "run")
+
+
+def no_staging_left(parent):
+    return not [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no checkpoint under"):
+        export_hf(tmp_path / "empty", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
+
+
+def test_cli_reports_errors_on_one_line(tmp_path, capsys):
+    assert main(["export-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nowhere" in err and "Traceback" not in err
+    assert main(["import-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+
+
+def test_corrupt_checkpoint(ours_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "run"
+    shutil.copytree(ours_dir, broken)
+    shard = next((broken / "checkpoints" / "iter_0000000").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt or unreadable"):
+        export_hf(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
+
+
+def test_unknown_architecture(tmp_path):
+    gpt2 = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
+        import_hf(tmp_path / "gpt2", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
+
+
+def test_unsupported_hf_features_are_named(tmp_path):
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                        sliding_window=16)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "swa")
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        load_checkpoint(tmp_path / "swa")
+
+
+def test_weights_that_do_not_match_the_config(ours_dir, tmp_path):
+    import shutil
+
+    edited = tmp_path / "run"
+    shutil.copytree(ours_dir, edited)
+    ckpt_config = edited / "checkpoints" / "iter_0000000" / "config.yaml"
+    ckpt_config.write_text(ckpt_config.read_text().replace("ffn_hidden_size: 48", "ffn_hidden_size: 64"))
+    with pytest.raises(ValueError, match=r"linear_fc1.weight has shape \(96, 32\), the model config expects \(128, 32\)"):
+        export_hf(edited, tmp_path / "out")
+
+
+def test_init_from_hf_into_a_differently_shaped_model(hf_dir):
+    cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=2, num_query_groups=2)
+    with pytest.raises(ValueError, match="num_query_groups=1 but the model being trained has num_query_groups=2"):
+        init_model_from_hf(build_model(cfg, 259), hf_dir)
+
+
+def test_existing_output_is_kept_unless_overwrite(ours_dir, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(FileExistsError, match="already exists"):
+        export_hf(ours_dir, out)
+    assert (out / "keep.txt").read_text() == "user data"
+    export_hf(ours_dir, out, overwrite=True)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert not (out / "keep.txt").exists() and no_staging_left(tmp_path)
+
+
+def test_inference_input_is_checked(ours_dir):
+    model = load_checkpoint(ours_dir)
+    with pytest.raises(ValueError, match=r"\[B, T\] int64"):
+        model(torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 259\)"):
+        model(torch.full((1, 3), 259))

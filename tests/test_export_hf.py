@@ -1,0 +1,181 @@
+"""HF <-> Megatron conversion: logit parity, round trips, training checkpoints -> HF directories."""
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from nemo_anchor.data import byte_tokenizer
+from nemo_anchor.export.hf import export_hf, import_hf, init_model_from_hf
+from nemo_anchor.export.hf_mapping import megatron_to_hf_state
+from nemo_anchor.export.inference import load_checkpoint, load_hf_model
+from nemo_anchor.export.megatron_state import build_model, canonical_state
+from nemo_anchor.model.config import ModelConfig
+
+VOCAB = 259  # the byte tokenizer: 256 bytes + BOS, EOS, PAD
+BOS, EOS, PAD = 256, 257, 258
+HF_CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+              "qwen2": transformers.Qwen2Config}
+YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
+
+
+def save_tiny_hf(path, arch, seed=0, **extra):
+    """A random 2-layer grouped-query HF model with the byte tokenizer, saved to ``path``; returned in eval mode."""
+    if arch == "mistral":
+        extra.setdefault("sliding_window", None)
+    config = HF_CONFIGS[arch](vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                              rope_theta=5000.0, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms and biases away from their 1/0 init, so a swapped tensor shows
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    byte_tokenizer().save(path)
+    return model.eval()
+
+
+def sample_tokens(batch=2, length=40, seed=1):
+    tokens = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+    tokens[:, 0] = BOS
+    return tokens
+
+
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {}), ("mistral", {}), ("llama", YARN)],
+                         ids=["llama", "qwen2", "mistral", "llama-yarn"])
+def test_megatron_logits_match_transformers(tmp_path, arch, extra):
+    hf = save_tiny_hf(tmp_path / "hf", arch, **extra)
+    ours = load_checkpoint(tmp_path / "hf")
+    tokens = sample_tokens()
+    with torch.no_grad():
+        logits = ours(tokens)
+        reference = hf(tokens).logits
+    assert logits.dtype == torch.float32 and logits.shape == (2, 40, VOCAB)
+    assert (logits - reference).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_round_trip_hf_ours_hf_keeps_logits(tmp_path, arch):
+    hf = save_tiny_hf(tmp_path / "hf", arch)
+    ours = import_hf(tmp_path / "hf", tmp_path / "ours")
+    assert (ours / "checkpoints" / "iter_0000000" / "metadata.json").is_file()
+    assert (ours / "tokenizer" / "tokenizer.json").is_file()
+    exported = export_hf(ours, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert type(back) is type(hf)
+    for key in ("rope_theta", "max_position_embeddings", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
+        assert getattr(back.config, key) == getattr(hf.config, key), key
+    tokens = sample_tokens()
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, hf(tokens).logits)
+    files = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # staging directories renamed away
+
+
+def _training_checkpoint(output_dir, model_cfg: ModelConfig, seed=0):
+    """A Megatron model saved by the trainer's own checkpoint writer, with the tokenizer beside it."""
+    from nemo_anchor.training.checkpoint import save_checkpoint
+    from nemo_anchor.training.config import RunConfig, to_yaml
+
+    torch.manual_seed(seed)
+    model = build_model(model_cfg, VOCAB)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    yaml = to_yaml(RunConfig(output_dir=str(output_dir), model=model_cfg))
+    save_checkpoint(output_dir, 7, model, {"step": 7}, yaml, keep_last=1)
+    byte_tokenizer().save(output_dir / "tokenizer")
+    return model.eval()
+
+
+TRAINED = {
+    "llama-gqa": ModelConfig(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96,
+                             num_attention_heads=4, num_query_groups=2, seq_length=256, rotary_base="auto"),
+    "qwen2-tied": ModelConfig(architecture="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=96,
+                              num_attention_heads=4, num_query_groups=1, seq_length=256, rotary_base="20000",
+                              tie_embeddings=True),
+    "llama-ntk": ModelConfig(architecture="llama", num_layers=1, hidden_size=64, ffn_hidden_size=96,
+                             num_attention_heads=2, num_query_groups=2, seq_length=256, rotary_base="10000",
+                             rope_scaling="ntk", rope_scaling_factor=4.0),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_training_checkpoint_exports_to_transformers(tmp_path, name):
+    cfg = TRAINED[name]
+    megatron = _training_checkpoint(tmp_path / "run", cfg)
+    exported = export_hf(tmp_path / "run", tmp_path / "hf")  # output_dir -> its latest checkpoint
+
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.architecture]]
+    assert config["max_position_embeddings"] == cfg.seq_length
+    assert config["rope_theta"] == pytest.approx(cfg.resolved_rotary_base())
+    assert config["num_key_value_heads"] == cfg.num_query_groups
+    assert config["bos_token_id"] == BOS and config["eos_token_id"] == EOS
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    tokens = sample_tokens()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        reference = megatron(input_ids=tokens, position_ids=positions, attention_mask=None).float()
+        assert (hf(tokens).logits - reference).abs().max() <= 1e-4
+        assert (load_checkpoint(tmp_path / "run")(tokens) - reference).abs().max() <= 1e-4
+        in_memory, tokenizer = load_hf_model(tmp_path / "run" / "checkpoints" / "iter_0000007")
+        assert (in_memory(tokens).logits - reference).abs().max() <= 1e-4
+
+    # what a user does with the exported directory: tokenize, generate, decode, offline
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    prompt = tokenizer("anchor", return_tensors="pt")
+    generated = hf.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, prompt["input_ids"].shape[1] + 5)
+    assert isinstance(tokenizer.decode(generated[0]), str)
+
+
+def test_bfloat16_export_and_inference(tmp_path):
+    megatron = _training_checkpoint(tmp_path / "run", TRAINED["llama-gqa"])
+    exported = export_hf(tmp_path / "run", tmp_path / "hf", dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype="auto")
+    assert hf.dtype == torch.bfloat16  # from config.json
+    with safe_open(exported / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
+    tokens = sample_tokens()
+    with torch.no_grad():
+        reference = megatron(input_ids=tokens, position_ids=torch.arange(40).expand_as(tokens), attention_mask=None)
+        logits = load_checkpoint(tmp_path / "run", dtype=torch.bfloat16)(tokens)
+    assert logits.dtype == torch.float32
+    assert (logits - reference).abs().max() <= 0.1 * reference.abs().max()
+
+
+def test_transformer_engine_and_stacked_names_convert_like_local_ones():
+    cfg = TRAINED["llama-gqa"]
+    torch.manual_seed(0)
+    local = {k: v for k, v in build_model(cfg, VOCAB).state_dict().items() if not k.endswith("_extra_state")}
+    te_names = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    stacked = {}
+    for key, value in local.items():
+        if key.startswith("decoder.layers."):
+            _, _, index, rest = key.split(".", 3)
+            stacked.setdefault(f"decoder.layers.{te_names.get(rest, rest)}", {})[int(index)] = value
+        else:
+            stacked[key] = value
+    stacked = {k: torch.stack([v[i] for i in sorted(v)]) if isinstance(v, dict) else v for k, v in stacked.items()}
+    expected = megatron_to_hf_state(local, cfg)
+    converted = megatron_to_hf_state(canonical_state(stacked, cfg.num_layers), cfg)
+    assert expected.keys() == converted.keys()
+    assert all(torch.equal(expected[k], converted[k]) for k in expected)
+
+
+def test_init_model_from_hf_loads_weights_into_a_longer_context_model(tmp_path):
+    hf = save_tiny_hf(tmp_path / "hf", "llama")
+    cfg = ModelConfig(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                      num_query_groups=2, seq_length=1024, rotary_base="5000", norm_epsilon=1e-6)
+    model = build_model(cfg, VOCAB)
+    init_model_from_hf(model, tmp_path / "hf")
+    tokens = sample_tokens()
+    with torch.no_grad():
+        ours = model(input_ids=tokens, position_ids=torch.arange(40).expand_as(tokens), attention_mask=None)
+        assert (ours - hf(tokens).logits).abs().max() <= 1e-4

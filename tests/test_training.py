@@ -1,0 +1,142 @@
+"""The trainer end to end on a tiny packed corpus: config, loss, metrics, checkpoints, resume."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_anchor.cli import main as cli
+from nemo_anchor.training import checkpoint as ckpt
+from nemo_anchor.training.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Pack my box with five dozen liquor jugs! " * 4,
+    "How vexingly quick daft zebras jump; " * 9,
+    "Sphinx of black quartz, judge my vow. " * 3,
+    "a",
+    "Waltz, bad nymph, for quick jigs vex. " * 12,
+] * 6
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    out = root / "packed"
+    assert cli(["pack", "--input", str(corpus), "--tokenizer", "byte", "--seq-length", "64",
+                "--output", str(out)]) == 0
+    return out
+
+
+def _config(tmp_path, packed, **overrides):
+    base = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+                  "num_query_groups": 2, "seq_length": 64, "attention_type": "anchor"},
+        "data": {"path": str(packed)},
+        "trainer": {"max_steps": 6, "global_batch_size": 2, "micro_batch_size": 1, "precision": "fp32",
+                    "progress_bar": False},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
+        "checkpoint": {"save_every": 3, "keep_last": 2},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path, [f"{k}={v}" for k, v in overrides.items()]
+
+
+def _losses(output_dir):
+    path = Path(output_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def _train(config_path, overrides):
+    return cli(["train", "--config", str(config_path), *overrides])
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, packed):
+    path, _ = _config(tmp_path, packed)
+    assert _train(path, [f"output_dir={tmp_path / 'straight'}"]) == 0
+    straight = _losses(tmp_path / "straight")
+    assert sorted(straight) == list(range(1, 7))
+
+    assert _train(path, [f"output_dir={tmp_path / 'split'}", "trainer.max_steps=3"]) == 0
+    assert _train(path, [f"output_dir={tmp_path / 'split'}"]) == 0
+    assert _losses(tmp_path / "split") == straight  # bitwise: same data, weights, optimizer state
+
+    record = json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(record)
+    assert (tmp_path / "straight" / "tensorboard").is_dir()
+    saved = ckpt.list_checkpoints(tmp_path / "straight" / "checkpoints")
+    assert [ckpt.checkpoint_step(p) for p in saved] == [3, 6]  # keep_last=2
+    assert load_config(tmp_path / "straight" / "config.yaml").model.vocab_size > 256
+
+
+def test_loss_falls_in_bf16(tmp_path, packed):
+    path, overrides = _config(tmp_path, packed, **{"trainer.precision": "bf16", "trainer.max_steps": 25,
+                                                   "checkpoint.save_every": 0})
+    assert _train(path, overrides) == 0
+    losses = _losses(tmp_path / "run")
+    assert sum(losses[s] for s in range(21, 26)) / 5 < 0.75 * sum(losses[s] for s in range(1, 6)) / 5
+
+
+def test_kill_and_sigterm_leave_a_loadable_checkpoint(tmp_path, packed):
+    """SIGTERM saves before exiting; after SIGKILL the last complete checkpoint resumes."""
+    path, _ = _config(tmp_path, packed)
+    out = tmp_path / "killed"
+    cmd = [sys.executable, str(REPO / "scripts" / "pretrain.py"), "--config", str(path), f"output_dir={out}",
+           "trainer.max_steps=400", "checkpoint.save_every=2"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+    def run_until(step, sig):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 120
+        while time.time() < deadline and max(_losses(out) or {0: 0}) < step:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+        return proc
+
+    run_until(3, signal.SIGKILL)
+    (out / "checkpoints" / ".tmp.iter_9999999").mkdir()  # what a kill during a save leaves behind
+    killed_at = max(_losses(out))
+    proc = run_until(killed_at + 3, signal.SIGTERM)
+    assert proc.returncode == 0, proc.stderr.read().decode()[-2000:]
+    latest = ckpt.resolve_checkpoint(out)
+    assert ckpt.checkpoint_step(latest) == max(_losses(out))  # SIGTERM saved the step it finished
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.attention_typo=anchor", "attention_typo"),
+    ("model.attention_type=sliding", "attention_type"),
+    ("trainer.precision=fp8", "trainer.precision"),
+    ("trainer.max_steps=ten", "max_steps"),
+    ("model.seq_length=63", "model.seq_length"),
+    ("optim.schedule=linear", "optim.schedule"),
+])
+def test_bad_config_names_the_key(tmp_path, packed, override, message):
+    path, _ = _config(tmp_path, packed)
+    with pytest.raises(ValueError, match=message):
+        load_config(path, [override])
+
+
+def test_dataset_window_must_match_model(tmp_path, packed):
+    path, overrides = _config(tmp_path, packed, **{"model.seq_length": 128})
+    with pytest.raises(ValueError, match="seq_length"):
+        _train(path, overrides)
+
+
+def test_paper_configs_load_and_validate():
+    for path in sorted((REPO / "configs" / "paper").glob("*.yaml")):
+        config = load_config(path)
+        assert config.optim.lr == 2e-5 and config.trainer.max_steps == 2000 and config.trainer.global_batch_size == 8
+        assert config.model.resolved_rotary_base() == {65536: 5e6, 131072: 1e7}[config.model.seq_length]
