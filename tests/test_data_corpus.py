@@ -36,6 +36,7 @@ def test_corpus_has_code_and_docs_from_sources(tmp_path):
 
     docs_topics = [r for r in records if r["path"].startswith("topic:")]
     assert [r["text"] for r in docs_topics] == [topics[name] for name in sorted(topics)]
+    assert [r["path"] for r in records[:3]] == ["broken.py", "topic:" + sorted(topics)[0], "latin.py"]  # in turn
     files = [r for r in records if not r["path"].startswith("topic:")]
     assert [(r["path"], r["domain"], r["group"]) for r in files] == [
         ("broken.py", "code", "broken"),

@@ -76,7 +76,7 @@ def test_bad_options(tmp_path):
     source = jsonl(tmp_path, [b'{"text": "abc"}'])
     assert_fails_cleanly(tmp_path, [source], "seq_length must be at least 2", seq_length=1)
     assert_fails_cleanly(tmp_path, [source], "valid_fraction", valid_fraction=1.0)
-    assert_fails_cleanly(tmp_path, [source], "held out none", valid_fraction=0.01)
+    assert_fails_cleanly(tmp_path, [source], "held out none", valid_fraction=1e-9)
     assert_fails_cleanly(tmp_path, [source], "interleave_chunks", interleave_chunks=0)
     assert_fails_cleanly(tmp_path, [source], "tag_template", tag_template="{topic}")
     assert_fails_cleanly(tmp_path, [source], "fill no window", drop_last=True, seq_length=64)

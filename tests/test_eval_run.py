@@ -58,20 +58,20 @@ def test_eval_command_end_to_end(model_dir, text_file, tmp_path):
     out = tmp_path / "out"
     code = main([
         "eval", "--hf", str(model_dir), "--output", str(out), "--tasks", "niah_single", "vt",
-        "--lengths", "300", "--num-samples", "2", "--max-new-tokens", "6", "--dtype", "fp32",
+        "--lengths", "1024", "--num-samples", "2", "--max-new-tokens", "4", "--dtype", "fp32",
         "--perplexity-data", str(text_file), "--perplexity-length", "64", "--perplexity-windows", "2",
         "--perplexity-buckets", "4",
     ])
     assert code == 0
     report = json.loads((out / "eval.json").read_text())
     (run,) = report["runs"]
-    assert set(run["ruler"]) == {"niah_single", "vt"} and set(run["ruler"]["vt"]) == {"300"}
+    assert set(run["ruler"]) == {"niah_single", "vt"} and set(run["ruler"]["vt"]) == {"1024"}
     assert all(0.0 <= score <= 100.0 for scores in run["ruler"].values() for score in scores.values())
     assert report["mean"] == {key: run[key] for key in ("ruler", "ruler_average", "perplexity")}
     assert run["perplexity"]["starts"] == [1, 16, 32, 48] and run["perplexity"]["ends"] == [16, 32, 48, 64]
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 4 and {record["task"] for record in predictions} == {"niah_single", "vt"}
-    assert all(record["prompt_tokens"] + 6 <= 300 for record in predictions)
+    assert all(record["prompt_tokens"] + 4 <= 1024 for record in predictions)
     assert (out / "eval.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -147,4 +147,4 @@ def test_token_windows_from_text_and_jsonl(tmp_path):
         read_token_windows([jsonl], tokenizer, num_windows=50, length=64)
     jsonl.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
     with pytest.raises(ValueError, match=r"docs.jsonl:2"):
-        read_token_windows([jsonl], tokenizer, num_windows=1, length=3)
+        read_token_windows([jsonl], tokenizer, num_windows=1, length=64)

@@ -67,9 +67,12 @@ def test_round_trip_hf_ours_hf_keeps_logits(tmp_path, arch):
     assert type(back) is type(hf)
     for key in ("rope_theta", "max_position_embeddings", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert getattr(back.config, key) == getattr(hf.config, key), key
+    loaded, tokenizer = load_hf_model(tmp_path / "hf")
+    assert tokenizer.bos_token_id == BOS
     tokens = sample_tokens()
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, hf(tokens).logits)
+        assert torch.equal(loaded(tokens).logits, hf(tokens).logits)
     files = {p.name for p in exported.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # staging directories renamed away

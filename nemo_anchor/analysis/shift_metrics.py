@@ -12,7 +12,7 @@ which sees exactly the q, k, v the model's attention module produced:
 - q/k/v projections in the model dtype, then HF's rotation ``x*cos + rotate_half(x)*sin`` in the
   model dtype with a cos/sin table computed in fp32 and cast to the model dtype. In bf16 this is
   where the shift stops cancelling.
-- Scores ``q·k * scaling`` accumulated and kept in fp32 and a fp32 softmax under the causal (and
+- Scores ``(q * scaling)·k`` accumulated and kept in fp32 and a fp32 softmax under the causal (and
   sliding-window) mask, as FlashAttention-2 and PyTorch's SDPA kernels do with bf16 inputs
   (HF's eager attention would also round the scores to bf16; production kernels do not).
 - The probabilities are cast to the value dtype for the weighted sum, as FlashAttention-2 does;
@@ -39,8 +39,8 @@ _CHUNK_ELEMENTS = 1 << 25  # bounds the score block held at once (128 MiB in fp3
 _QUERY_BLOCK = 256
 _ATTENTION_NAME = "nemo_anchor_shift_probe"
 
-# (attention module, query [B,H,T,D], key [B,Hkv,T,D], value, scaling, sliding_window) -> output [B,T,H,D]
-LayerAttention = Callable[..., torch.Tensor]
+# (query [B,H,T,D], key [B,Hkv,T,D], value [B,Hkv,T,D], scaling, sliding_window) -> output [B,T,H,D]
+LayerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], torch.Tensor]
 _LAYER_ATTENTION: contextvars.ContextVar[LayerAttention] = contextvars.ContextVar(_ATTENTION_NAME)
 
 
@@ -71,7 +71,7 @@ class ShiftDifferences:
     before its sum over ``j``; the row of ``Δ1 = 0`` is Figure 1, middle). None when not measured.
 
     ``first_key_logits[s, i] = Σ_{l,h} |A_i0(Δ1_s) - A_i0(Δ2)|``: per query ``i``, with
-    ``A_i0 = q_i·k_0 * scaling`` its logit on the first key (Eq. 5 before its mean over ``i``).
+    ``A_i0 = (q_i * scaling)·k_0`` its fp32 logit on the first key (Eq. 5 before its mean over ``i``).
     Both are float64 ``[len(shifts), T]`` on the CPU.
     """
 
@@ -114,10 +114,10 @@ def shift_differences(
         per_key = difference.sum(dim=2).sum(dim=1)  # Σ_h Σ_i |ATTN(Δ1) - ATTN(Δ2)|
         attention_sums[1:, : per_key.shape[-1]] += per_key.to("cpu", torch.float64)
 
-    def layer_attention(module, query, key, value, scaling, sliding_window):
+    def layer_attention(query, key, value, scaling, sliding_window):
         groups = query.shape[1] // key.shape[1]
         first_key = key[:, :, :1].float().repeat_interleave(groups, dim=1)  # [rows, H, 1, D]
-        logits = torch.matmul(query.float(), first_key.transpose(-1, -2))[..., 0] * scaling  # [rows, H, T]
+        logits = torch.matmul(query.float() * scaling, first_key.transpose(-1, -2))[..., 0]  # [rows, H, T]
         logit_sums.add_((logits - logits[:1]).abs_().sum(dim=1).to("cpu", torch.float64))
         inspect = compare_attention if attention else None
         return fp32_score_attention(query, key, value, scaling, sliding_window, inspect=inspect)
@@ -149,7 +149,6 @@ def fp32_score_attention(
     """
     batch, num_heads, length, head_dim = query.shape
     groups = num_heads // key.shape[1]
-    hidden_keys = _hidden_keys(length, sliding_window, query.device)
     output = torch.empty(batch, length, num_heads, head_dim, dtype=value.dtype, device=query.device)
     # Blocks of queries skip the keys the causal mask hides (about half of them) and bound memory.
     queries_per_block = max(1, min(length, _QUERY_BLOCK, _CHUNK_ELEMENTS // (batch * length)))
@@ -164,8 +163,9 @@ def fp32_score_attention(
             scaled_query = query[:, heads, rows].float() * scaling
             scores = torch.matmul(scaled_query, keys[:, :, :visible].transpose(-1, -2))  # [B, h, q, visible]
             # Only the diagonal square holds future keys; a sliding window also hides older ones.
-            first_hidden = 0 if sliding_window is not None else query_start
-            scores[..., first_hidden:].masked_fill_(hidden_keys[rows, first_hidden:visible], float("-inf"))
+            keys_to_mask = slice(0 if sliding_window is not None else query_start, visible)
+            hidden = _hidden_keys(rows, keys_to_mask, sliding_window, query.device)
+            scores[..., keys_to_mask].masked_fill_(hidden, float("-inf"))
             probabilities = scores.softmax(dim=-1)
             weighted = torch.matmul(probabilities.to(value.dtype), values[:, :, :visible])
             output[:, rows, heads] = weighted.transpose(1, 2)
@@ -174,9 +174,11 @@ def fp32_score_attention(
     return output
 
 
-def _hidden_keys(length: int, window: int | None, device) -> torch.Tensor:
-    """bool ``[T, T]``: True where query ``i`` may not see key ``j`` (a future key, or one the window dropped)."""
-    offset = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)  # i - j
+def _hidden_keys(queries: slice, keys: slice, window: int | None, device) -> torch.Tensor:
+    """bool ``[len(queries), len(keys)]``: True where query ``i`` may not see key ``j`` (a future
+    key, or one the sliding window dropped)."""
+    query_positions = torch.arange(queries.start, queries.stop, device=device)[:, None]
+    offset = query_positions - torch.arange(keys.start, keys.stop, device=device)  # i - j
     hidden = offset < 0
     if window is not None:
         hidden |= offset >= window
@@ -214,7 +216,7 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
     if attention_mask is not None:
         raise ValueError("the shift probe runs unpadded sequences and builds its own causal mask")
     scaling = module.scaling if scaling is None else scaling
-    return _LAYER_ATTENTION.get()(module, query, key, value, scaling, kwargs.get("sliding_window")), None
+    return _LAYER_ATTENTION.get()(query, key, value, scaling, kwargs.get("sliding_window")), None
 
 
 AttentionInterface.register(_ATTENTION_NAME, _probe_attention)

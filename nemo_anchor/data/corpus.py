@@ -4,7 +4,7 @@ Two domains, written as JSONL records ``{"text", "domain", "group", "path"}``:
 
 - ``code``: every ``.py`` file of the standard library (``sysconfig.get_paths()["stdlib"]``, third-party
   ``site-packages`` excluded), decoded with its coding cookie;
-- ``docs``: the language reference topics that ``pydoc`` renders (``pydoc_data.topics``), then each
+- ``docs``: the language reference topics that ``pydoc`` renders (``pydoc_data.topics``) and each
   module's documentation rendered from its docstrings (module, classes, functions, with signatures),
   read with ``ast`` so that no module is imported (importing ``antigravity`` opens a browser).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import sysconfig
 import tokenize
@@ -35,18 +36,25 @@ FILES_PER_ROUND = 64
 
 
 def stdlib_documents(root: str | Path | None = None) -> Iterator[dict]:
-    """Corpus records in a fixed order: pydoc topics, then each module's code followed by its docs."""
+    """Corpus records in a fixed order: each module's code and docs, then one pydoc topic, in turn
+    (so that a size cap keeps both domains)."""
     from pydoc_data.topics import topics
 
-    for name in sorted(topics):
-        yield {"text": topics[name], "domain": DOCS, "group": f"pydoc_data.topics:{name}", "path": f"topic:{name}"}
+    topic_records = ({"text": topics[name], "domain": DOCS, "group": f"pydoc_data.topics:{name}",
+                      "path": f"topic:{name}"} for name in sorted(topics))
+    for module_records, topic in itertools.zip_longest(_module_records_in_order(root), topic_records):
+        yield from module_records or []
+        if topic is not None:
+            yield topic
+
+
+def _module_records_in_order(root: str | Path | None) -> Iterator[list[dict]]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     paths = [path for path in sorted(root.rglob("*.py")) if not EXCLUDED_DIRS.intersection(path.relative_to(root).parts)]
     with ProcessPoolExecutor() as pool:  # parsing dominates; map keeps the order
         for first in range(0, len(paths), FILES_PER_ROUND):  # in rounds, so a size cap stops the work early
             chunk = paths[first:first + FILES_PER_ROUND]
-            for records in pool.map(_module_records, chunk, [root] * len(chunk), chunksize=8):
-                yield from records
+            yield from pool.map(_module_records, chunk, [root] * len(chunk), chunksize=8)
 
 
 def _module_records(path: Path, root: Path) -> list[dict]:

@@ -9,6 +9,7 @@ optional ``group`` field keeps related documents in the same train/validation sp
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -35,6 +36,7 @@ class InputFile:
     path: Path
     kind: str
     domain: str  # default domain of its documents
+    key: str  # path from the input argument's parent: names documents independently of where the data lives
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def expand_inputs(paths: list[str | Path]) -> list[InputFile]:
         path = Path(arg)
         megatron_prefix = path.with_suffix("") if path.suffix in MEGATRON_SUFFIXES else path
         if _is_megatron_prefix(megatron_prefix):
-            files.append(InputFile(megatron_prefix, "megatron", megatron_prefix.name))
+            files.append(InputFile(megatron_prefix, "megatron", megatron_prefix.name, megatron_prefix.name))
         elif path.is_dir():
             found = _walk_folder(path)
             if not found:
@@ -72,7 +74,7 @@ def expand_inputs(paths: list[str | Path]) -> list[InputFile]:
         elif path.is_file():
             if path.stat().st_size == 0:
                 raise ValueError(f"input file {path} is empty")
-            files.append(InputFile(path, _kind_of(path), path.stem))
+            files.append(InputFile(path, _kind_of(path), path.stem, path.name))
         else:
             raise ValueError(f"input {path} does not exist")
     return files
@@ -99,11 +101,12 @@ def _walk_folder(folder: Path) -> list[InputFile]:
         if any(part.startswith(".") for part in path.relative_to(folder).parts) or path.stat().st_size == 0:
             continue
         if path.suffix in MEGATRON_SUFFIXES and _is_megatron_prefix(path.with_suffix("")):
-            if path.with_suffix("") not in seen_prefixes:
-                seen_prefixes.add(path.with_suffix(""))
-                files.append(InputFile(path.with_suffix(""), "megatron", folder.name))
+            prefix = path.with_suffix("")
+            if prefix not in seen_prefixes:
+                seen_prefixes.add(prefix)
+                files.append(InputFile(prefix, "megatron", folder.name, str(prefix.relative_to(folder.parent))))
             continue
-        files.append(InputFile(path, _kind_of(path), folder.name))
+        files.append(InputFile(path, _kind_of(path), folder.name, str(path.relative_to(folder.parent))))
     return files
 
 
@@ -162,16 +165,17 @@ def _jsonl_records(source: InputFile, text_key: str, policy: str, skipped: Count
                 except UnicodeEncodeError as error:
                     _invalid_utf8(where, error, policy, skipped)
                     continue
-            yield _record(text, record, source, where)
+            yield _record(text, record, source, str(number))
 
 
-def _record(text: str, fields: dict, source: InputFile, where: str) -> Record:
+def _record(text: str, fields: dict, source: InputFile, position: str) -> Record:
     """A Record with the domain and group taken from ``fields`` when present (None counts as absent)."""
+    where = f"{source.path}:{position}"
     domain = next((fields[key] for key in ("domain", "source") if fields.get(key) is not None), source.domain)
     if not isinstance(domain, str) or not domain:
         raise ValueError(f"{where}: domain/source must be a non-empty string, got {domain!r}")
     group = fields.get("group")
-    return Record(text, domain, where if group is None else str(group), where)
+    return Record(text, domain, f"{source.key}:{position}" if group is None else str(group), where)
 
 
 def _parquet_records(source: InputFile, text_key: str, policy: str, skipped: Counter) -> Iterator[Record]:
@@ -186,21 +190,19 @@ def _parquet_records(source: InputFile, text_key: str, policy: str, skipped: Cou
     if text_key not in names:
         raise ValueError(f"{source.path}: no {text_key!r} column (columns: {names})")
     columns = [text_key] + [name for name in ("domain", "source", "group") if name in names]
-    row = 0
-    for batch in parquet.iter_batches(columns=columns, batch_size=4096):
-        for record in batch.to_pylist():
-            where = f"{source.path}:row {row}"
-            row += 1
-            text = record[text_key]
-            if isinstance(text, bytes):
-                try:
-                    text = text.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    _invalid_utf8(where, error, policy, skipped)
-                    continue
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: column {text_key!r} is {type(text).__name__}, not a string")
-            yield _record(text, record, source, where)
+    records = itertools.chain.from_iterable(batch.to_pylist() for batch in parquet.iter_batches(columns=columns))
+    for row, record in enumerate(records):
+        where = f"{source.path}:row {row}"
+        text = record[text_key]
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as error:
+                _invalid_utf8(where, error, policy, skipped)
+                continue
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: column {text_key!r} is {type(text).__name__}, not a string")
+        yield _record(text, record, source, f"row {row}")
 
 
 def _text_records(source: InputFile, text_key: str, policy: str, skipped: Counter) -> Iterator[Record]:
@@ -211,4 +213,4 @@ def _text_records(source: InputFile, text_key: str, policy: str, skipped: Counte
         line = raw.count(b"\n", 0, error.start) + 1
         _invalid_utf8(f"{source.path}:{line}", error, policy, skipped)
         return
-    yield Record(text, source.domain, str(source.path), str(source.path))
+    yield Record(text, source.domain, source.key, str(source.path))

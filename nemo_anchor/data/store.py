@@ -180,7 +180,7 @@ def _pretokenized(item: InputFile, vocab_size: int, domain_codes: _DomainCodes, 
                          f"vocabulary of {vocab_size}; wrong tokenizer?")
     count = len(offsets) - 1
     return DocumentSource(str(item.path), tokens, offsets, np.full(count, domain_codes[item.domain], np.int32),
-                          hold_out.of_documents(str(item.path), count), trainable)
+                          hold_out.of_documents(item.key, count), trainable)
 
 
 def _batches(records: Iterable[Record]) -> Iterator[list[Record]]:

@@ -132,7 +132,7 @@ class VariableTrackingTask:
     num_chains: int = 1
     num_hops: int = 4
     fewshot: bool = True
-    fewshot_units: int = 20
+    fewshot_units: int = 10  # about RULER's 500-token example with a Llama tokenizer
     max_new_tokens: int = 30
     metric: Callable[[Sequence[str], Sequence[Sequence[str]]], float] = field(default=string_match_all, repr=False)
 

@@ -63,6 +63,7 @@ def greedy_completion(model, tokenizer, prompt: str, max_new_tokens: int) -> str
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
+        bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )

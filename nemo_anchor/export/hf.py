@@ -35,7 +35,7 @@ _STRUCTURE = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("ff
 def load_tokenizer(ckpt: LoadedCheckpoint):
     """The checkpoint's HF tokenizer, or None (with a warning) when it has none."""
     if ckpt.tokenizer_dir is None:
-        warnings.warn(f"{ckpt.path}: no tokenizer files found; the HF model will have no tokenizer", stacklevel=2)
+        warnings.warn(f"{ckpt.path}: no tokenizer files found; the output will have no tokenizer", stacklevel=2)
         return None
     from transformers import AutoTokenizer
 
@@ -56,7 +56,7 @@ def to_hf_model(ckpt: LoadedCheckpoint, dtype: torch.dtype = torch.float32):
     with no_init_weights():  # every weight is assigned below; skip the random init
         model = model_class(hf_config)
     state = {k: v.to(dtype) for k, v in megatron_to_hf_state(ckpt.state, ckpt.config).items()}
-    if ckpt.config.tie_embeddings:
+    if ckpt.config.tie_embeddings:  # one tensor for both again (the cast above may have copied each)
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()

@@ -87,10 +87,27 @@ def _read_huggingface(path: Path) -> LoadedCheckpoint:
 
 
 def _read_nemo2(path: Path) -> LoadedCheckpoint:
-    config = _model_config_from_nemo2(path / "context" / "model.yaml")
+    model_yaml = path / "context" / "model.yaml"
+    if not model_yaml.is_file():
+        raise FileNotFoundError(f"NeMo 2 checkpoint without its config: {model_yaml}")
+    try:
+        nemo = yaml.safe_load(model_yaml.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{model_yaml}: corrupt YAML: {err}") from None
+    config = _model_config_from_nemo2(nemo.get("config"), model_yaml)
     tensors = read_dist_checkpoint(path / "weights", prefix="module.")
     state = canonical_state(tensors, config.num_layers, source=str(path / "weights"))
-    return _checked(path, NEMO2, config, state, find_tokenizer_dir(path / "context" / "nemo_tokenizer"))
+    return _checked(path, NEMO2, config, state, _nemo2_tokenizer_dir(path / "context", nemo.get("tokenizer")))
+
+
+def _nemo2_tokenizer_dir(context: Path, tokenizer: Optional[dict]) -> Optional[Path]:
+    """NeMo copies an HF tokenizer into ``context/`` as an artifact named by ``pretrained_model_name``."""
+    name = (tokenizer or {}).get("pretrained_model_name")
+    candidates = [context / name] if isinstance(name, str) and not Path(name).is_absolute() else []
+    for candidate in candidates + [context / "nemo_tokenizer"]:
+        if find_tokenizer_dir(candidate) is not None:
+            return candidate
+    return None
 
 
 def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
@@ -143,19 +160,15 @@ def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str) -> dict[str, torch.Tens
     except ValueError:
         raise
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(err, CheckpointException):  # its str() is a traceback per rank; name the first cause
+            err = next(iter(err.failures.values()))[0]
         raise ValueError(f"{ckpt_dir}: corrupt or unreadable checkpoint ({type(err).__name__}: {err})") from None
     # `load` merges the checkpoint's common (non-sharded) state in: optimizer, sampler, RNG
     return {key[len(prefix):]: tensor for key, tensor in loaded.items() if key.startswith(prefix)}
 
 
-def _model_config_from_nemo2(model_yaml: Path) -> ModelConfig:
-    """Our ``model:`` section from a NeMo 2 ``context/model.yaml`` (its ``config:`` entry)."""
-    if not model_yaml.is_file():
-        raise FileNotFoundError(f"NeMo 2 checkpoint without its config: {model_yaml}")
-    try:
-        nemo = (yaml.safe_load(model_yaml.read_text()) or {}).get("config")
-    except yaml.YAMLError as err:
-        raise ValueError(f"{model_yaml}: corrupt YAML: {err}") from None
+def _model_config_from_nemo2(nemo: Optional[dict], model_yaml: Path) -> ModelConfig:
+    """Our ``model:`` section from the ``config:`` entry of a NeMo 2 ``context/model.yaml``."""
     if not isinstance(nemo, dict):
         raise ValueError(f"{model_yaml}: no 'config' section")
 

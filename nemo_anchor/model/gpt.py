@@ -66,7 +66,9 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False, tensor_parallel_
         cp_comm_type=cfg.cp_comm_type,
         anchor_attention_type=cfg.attention_type,
         rope_in_fp32=cfg.rope_in_fp32,
-        yarn_rotary_scaling_factor=cfg.rope_scaling_factor,
+        # Megatron applies YaRN's attention temperature whenever this factor is not 1, even for plain
+        # RoPE, so it must stay 1 unless YaRN is on (NTK is folded into the base instead).
+        yarn_rotary_scaling_factor=cfg.rope_scaling_factor if cfg.rope_scaling == "yarn" else 1.0,
         yarn_original_max_position_embeddings=cfg.original_max_position_embeddings,
         **recompute[cfg.recompute],
     )

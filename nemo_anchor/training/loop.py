@@ -153,8 +153,9 @@ class Trainer:
         self._resumed_from = existing[-1]
 
     # ----------------------------------------------------------------- steps
-    def _load(self, indices) -> dict:
-        batch = collate_windows([self.dataset[i] for i in indices])
+    def _load(self, dataset: PackedDataset, indices) -> dict:
+        """Collate windows, keep this context-parallel rank's share, move to the device."""
+        batch = collate_windows([dataset[i] for i in indices])
         if self.cp_group is not None:
             from nemo_anchor.parallel.context_parallel import shard_batch
 
@@ -168,7 +169,8 @@ class Trainer:
     def train_step(self) -> dict:
         t = self.config.trainer
         lr = learning_rate(self.step, self.config.optim, t.max_steps)
-        batches = [self._load(itertools.islice(self._windows, t.micro_batch_size)) for _ in range(self.accumulation)]
+        batches = [self._load(self.dataset, itertools.islice(self._windows, t.micro_batch_size))
+                   for _ in range(self.accumulation)]
         loss_tokens = _all_reduce_sum(
             torch.stack([b["loss_mask"].sum() for b in batches]).sum().double(), self.grad_group)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -195,11 +197,7 @@ class Trainer:
                          self.ctx.data_parallel_size)
         totals = torch.zeros(2, dtype=torch.float64)
         for index in per_rank:
-            batch = collate_windows([valid[index]])
-            if self.cp_group is not None:
-                from nemo_anchor.parallel.context_parallel import shard_batch
-
-                batch = shard_batch(batch, self.cp_group)
+            batch = self._load(valid, [index])
             totals[0] += self._loss_sum(batch).double()
             totals[1] += batch["loss_mask"].sum().double()
         self.model.train()
@@ -219,7 +217,9 @@ class Trainer:
         if self._resumed_from is not None:
             logger.write(f"resumed from {self._resumed_from} at step {self.step}")
         self.model.train()
-        last, saved, stopped = None, None, False
+        last, stopped = None, False
+        resumed_at_end = self._resumed_from is not None and ckpt.checkpoint_step(self._resumed_from) == self.step
+        saved = self._resumed_from if resumed_at_end else None
         started, tokens_seen = time.perf_counter(), 0
         with _StopRequest() as stop:
             while self.step < t.max_steps:

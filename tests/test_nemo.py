@@ -1,0 +1,221 @@
+"""NeMo 2 glue on the CPU: anchor configs build and train, YAML reaches the model, recipes, NeMo 2 export.
+
+NeMo is imported once, by the module-scoped ``llm`` fixture (about 20 s); without NeMo installed
+every test here is skipped.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = pytest.importorskip("nemo.collections.llm")
+    from nemo_anchor.parallel.distributed import initialize_parallel
+
+    initialize_parallel()
+    return llm
+
+
+def tiny(config_class, **overrides):
+    sizes = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                 seq_length=SEQ, rotary_base=10_000, vocab_size=259, use_cpu_initialization=True,
+                 gradient_accumulation_fusion=False)
+    return config_class(**{**sizes, **overrides})
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A packed dataset of real text (several documents per 64-token window) with the byte tokenizer."""
+    from nemo_anchor.data import PackOptions, pack
+
+    root = tmp_path_factory.mktemp("packed")
+    corpus = root / "docs.jsonl"
+    words = Path(__file__).read_text().split()
+    lines = [json.dumps({"text": " ".join(words[i:i + 3 + i % 9])}) for i in range(0, 400, 7)]
+    corpus.write_text("\n".join(lines) + "\n")
+    pack([corpus], "byte", root / "data", PackOptions(seq_length=SEQ))
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def nemo_run_dir(llm, packed, tmp_path_factory):
+    """A NeMo LlamaModel with our config, its first packed batch, and a NeMo 2 checkpoint directory of it."""
+    from megatron.core import dist_checkpointing
+    from nemo import lightning as nl
+    from nemo.lightning.io.pl import TrainerContext
+
+    from nemo_anchor.nemo.config import AnchorLlamaConfig
+    from nemo_anchor.nemo.data import AnchorPackedDataModule
+
+    data = AnchorPackedDataModule(str(packed), seq_length=SEQ, micro_batch_size=2, global_batch_size=2,
+                                  num_workers=0)
+    torch.manual_seed(0)
+    model = llm.LlamaModel(tiny(AnchorLlamaConfig), tokenizer=data.tokenizer)
+    model.configure_model()
+    with torch.no_grad():  # norms away from 1, so a misplaced norm weight would show in the logits
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    checkpoint = tmp_path_factory.mktemp("nemo2") / "step=1"
+    (checkpoint / "weights").mkdir(parents=True)
+    dist_checkpointing.save(model.module.sharded_state_dict(prefix="module."), str(checkpoint / "weights"))
+    TrainerContext(model=model, trainer=nl.Trainer(accelerator="cpu", devices=1), extra={}).io_dump(
+        checkpoint / "context", yaml_attrs=["model"])
+    return model, next(iter(data.train_dataloader())), checkpoint
+
+
+def test_anchor_config_puts_our_core_attention_in_the_model(llm):
+    from nemo_anchor.model.core_attention import AnchorCoreAttention
+    from nemo_anchor.nemo.config import AnchorMistralConfig, AnchorQwen2Config
+
+    for config_class, mask, has_bias in ((AnchorQwen2Config, "intra_doc", True), (AnchorMistralConfig, "full", False)):
+        attention_type = {"intra_doc": "intra_doc_reset", "full": "full"}[mask]
+        module = tiny(config_class, attention_type=attention_type).configure_model(None)
+        core = [m for m in module.modules() if isinstance(m, AnchorCoreAttention)]
+        assert len(core) == 2 and {c.mask for c in core} == {mask}
+        assert any(k.endswith("linear_qkv.bias") for k in module.state_dict()) == has_bias
+    with pytest.raises(ValueError, match="unknown attention_type 'sliding'"):
+        tiny(AnchorQwen2Config, attention_type="sliding")
+
+
+def test_packed_batch_trains_through_nemo_steps_with_the_anchor_mask(nemo_run_dir):
+    """NeMo's data and forward steps on a packed batch equal, token by token, the HF model run on
+    each document alone behind the anchor, at the document's own positions in the window."""
+    import transformers
+
+    from nemo_anchor.export.hf import export_hf
+
+    model, batch, checkpoint = nemo_run_dir
+    assert len(batch["cu_seqlens"]) > len(batch["cu_windows"])  # windows do hold several documents
+    step_batch = model.config.data_step_fn(iter([batch]))
+    loss = model.forward_step(step_batch)
+    assert loss.shape == batch["tokens"].shape
+
+    hf_dir = export_hf(checkpoint, checkpoint.parent / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    bounds = batch["cu_seqlens"].tolist()
+    tokens, labels = batch["tokens"].flatten(), batch["labels"].flatten()
+    with torch.no_grad():
+        for start, end in zip(bounds, bounds[1:]):
+            window_start = start - start % SEQ
+            keep = [window_start] * (start != window_start) + list(range(start, end))
+            logits = hf(input_ids=tokens[keep][None], position_ids=(torch.tensor(keep) - window_start)[None]).logits
+            expected = F.cross_entropy(logits[0, -(end - start):], labels[start:end], reduction="none")
+            assert (loss.flatten()[start:end] - expected).abs().max() <= 1e-4, (start, end)
+
+    (loss * batch["loss_mask"]).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads) and sum(g.abs().sum() for g in grads) > 0
+
+
+def test_nemo2_checkpoint_exports_to_transformers(nemo_run_dir):
+    import transformers
+
+    from nemo_anchor.export.hf import export_hf
+
+    model, batch, checkpoint = nemo_run_dir
+    hf_dir = export_hf(checkpoint, checkpoint.parent / "hf-again")
+    assert (hf_dir / "tokenizer.json").is_file()  # NeMo's tokenizer artifact travelled along
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert hf.config.rope_theta == model.config.rotary_base and hf.config.max_position_embeddings == SEQ
+    tokens = batch["tokens"][:, :24]
+    with torch.no_grad():
+        ours = model.module(tokens, torch.arange(24).expand_as(tokens), None)
+        assert (hf(tokens).logits - ours).abs().max() <= 1e-4
+
+
+def test_nemo_yaml_attention_type_reaches_the_built_model(llm, tmp_path):
+    """What `nemo llm pretrain --factory F --yaml FILE` resolves (NeMo-Run's LazyEntrypoint), built."""
+    import fiddle as fdl
+    from nemo_run.cli.lazy import LazyEntrypoint
+
+    from nemo_anchor.model.core_attention import AnchorCoreAttention
+
+    sizes = "\n".join(f"    {k}: {v}" for k, v in dict(
+        num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+        seq_length=SEQ, vocab_size=259, use_cpu_initialization="true", gradient_accumulation_fusion="false").items())
+    cases = {  # factory -> YAML
+        "nemo_anchor.nemo.recipes.anchor_llama3_8b": f"model:\n  config:\n    attention_type: intra_doc_reset\n{sizes}\n",
+        # a stock NeMo recipe, its model config swapped for ours by `_target_`
+        "llama3_8b": f"model:\n  config:\n    _target_: nemo_anchor.nemo.config.AnchorLlama3Config8B\n"
+                     f"    attention_type: intra_doc_reset\n{sizes}\n",
+    }
+    for factory, text in cases.items():
+        (tmp_path / "run.yaml").write_text(text)
+        recipe = LazyEntrypoint(llm.pretrain, factory=factory, yaml=str(tmp_path / "run.yaml")).resolve()
+        model = fdl.build(recipe.model)
+        model.configure_model()
+        assert model.config.attention_type == "intra_doc_reset"
+        cores = [m for m in model.module.modules() if isinstance(m, AnchorCoreAttention)]
+        assert len(cores) == 2 and all(c.mask == "intra_doc" for c in cores), factory
+
+
+def test_recipes_build_the_papers_runs(llm, packed):
+    import fiddle as fdl
+    from nemo import lightning as nl
+
+    from nemo_anchor.model.config import paper_rotary_base
+    from nemo_anchor.nemo import recipes
+    from nemo_anchor.nemo.config import PRESETS
+    from nemo_anchor.nemo.data import AnchorPackedDataModule
+
+    factories = (recipes.anchor_llama2_7b, recipes.anchor_llama3_8b, recipes.anchor_mistral_7b_v03,
+                 recipes.anchor_qwen15_1p8b)
+    assert {f(data_path="x").model.config.__fn_or_cls__ for f in factories} == {c for c, _ in PRESETS.values()}
+    recipe = recipes.anchor_llama2_7b(data_path=str(packed), seq_length=SEQ)
+    assert recipe.__fn_or_cls__ is llm.pretrain
+    config = recipe.model.config
+    assert (config.attention_type, config.seq_length, config.rotary_base) == ("anchor", SEQ, paper_rotary_base(SEQ))
+    assert recipes.anchor_llama2_7b().model.config.rotary_base == 1e7  # 128K: Table 1
+
+    trainer = recipe.trainer
+    assert (trainer.max_steps, trainer.devices, trainer.accelerator) == (2000, 8, "gpu")
+    assert trainer.strategy.context_parallel_size == 8 and trainer.plugins.precision == "bf16-mixed"
+    assert isinstance(fdl.build(trainer.strategy), nl.MegatronStrategy)
+    optim = fdl.build(recipe.optim).config
+    assert (optim.lr, optim.weight_decay, optim.adam_beta1, optim.adam_beta2) == (2e-5, 0.1, 0.9, 0.95)
+    data = fdl.build(recipe.data)
+    assert isinstance(data, AnchorPackedDataModule) and data.global_batch_size == 8
+    with pytest.raises(ValueError, match="repack it or change seq_length"):
+        AnchorPackedDataModule(str(packed), seq_length=2 * SEQ)
+
+
+def test_megatron_bridge_is_optional():
+    pytest.importorskip("nemo")
+    try:
+        import megatron.bridge  # noqa: F401
+    except Exception:  # noqa: BLE001 - what the module itself guards against
+        with pytest.raises(ImportError, match="needs Megatron-Bridge"):
+            import nemo_anchor.nemo.bridge  # noqa: F401
+    else:
+        from nemo_anchor.nemo.bridge import AnchorGPTModelProvider
+
+        assert AnchorGPTModelProvider(num_layers=1, hidden_size=64, num_attention_heads=4).attention_type == "anchor"
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "nemo"
+
+
+@pytest.mark.parametrize("name,factory", [
+    ("anchor_llama2_7b_128k.yaml", "nemo_anchor.nemo.recipes.anchor_llama2_7b"),
+    ("anchor_llama2_7b_64k.yaml", "nemo_anchor.nemo.recipes.anchor_llama2_7b(seq_length=65536)"),
+    ("stock_llama3_8b_with_anchor.yaml", "llama3_8b"),
+])
+def test_shipped_nemo_yaml_files_resolve(llm, name, factory):
+    from nemo_run.cli.lazy import LazyEntrypoint
+
+    from nemo_anchor.model.config import paper_rotary_base
+    from nemo_anchor.nemo.config import AnchorConfigMixin
+
+    recipe = LazyEntrypoint(llm.pretrain, factory=factory, yaml=str(CONFIGS / name)).resolve()
+    config = recipe.model.config
+    assert issubclass(config.__fn_or_cls__, AnchorConfigMixin) and config.attention_type == "anchor"
+    assert recipe.data.seq_length == config.seq_length
+    if factory.startswith("nemo_anchor"):
+        assert config.rotary_base == paper_rotary_base(config.seq_length)
+        assert recipe.resume.restore_config.path == "/ckpt/llama2-7b-nemo"
