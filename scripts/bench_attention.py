@@ -9,7 +9,7 @@ window's first token is the anchor), every method side by side, forward and forw
   anchor_attention ...    our backends that run here (flex: forward only on the CPU)
 
 Each measurement runs in its own subprocess, so its peak memory is clean: the peak RSS during
-the timed runs minus the RSS once the inputs exist. GFLOP/s counts the useful work, the (query,
+the timed runs (after one warm-up run) minus the RSS once the inputs exist. GFLOP/s counts the useful work, the (query,
 key) pairs the method's mask allows (4 * D flops each per head forward, 3.5x that forward +
 backward), so a method that computes masked-out scores shows a low rate.
 
@@ -125,7 +125,8 @@ def worker(config: dict) -> dict:
                 run()
         return time.perf_counter() - start
 
-    once()  # warm-up: thread pools, allocator, FlexAttention compilation
+    if config["warmup"]:
+        once()  # thread pools, allocator, FlexAttention compilation
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # restart the peak-RSS counter (VmHWM) after the warm-up
     times = [once() for _ in range(config["repeats"])]
@@ -192,6 +193,7 @@ def main(argv=None) -> int:
         return 0
     args.kv_heads = args.kv_heads or args.heads
     config = {key: getattr(args, key) for key in ("tokens", "heads", "kv_heads", "head_dim", "docs", "dtype", "seed", "repeats", "threads")}
+    config["warmup"] = not args.peak_rss
     cu_seqlens = document_bounds(args.tokens, args.docs, args.seed)
 
     if args.peak_rss:

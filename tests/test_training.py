@@ -140,3 +140,15 @@ def test_paper_configs_load_and_validate():
         config = load_config(path)
         assert config.optim.lr == 2e-5 and config.trainer.max_steps == 2000 and config.trainer.global_batch_size == 8
         assert config.model.resolved_rotary_base() == {65536: 5e6, 131072: 1e7}[config.model.seq_length]
+
+
+def test_continued_pretraining_from_an_imported_hf_model(tmp_path, packed):
+    """The user flow: train, export to HF, import-hf into a fresh output_dir, continue training there."""
+    path, overrides = _config(tmp_path, packed, **{"trainer.max_steps": 12, "checkpoint.save_every": 0})
+    assert _train(path, overrides) == 0
+    first = _losses(tmp_path / "run")
+    assert cli(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert cli(["import-hf", str(tmp_path / "hf"), str(tmp_path / "continued")]) == 0
+    assert _train(path, [f"output_dir={tmp_path / 'continued'}", "trainer.max_steps=1"]) == 0
+    continued = _losses(tmp_path / "continued")
+    assert continued[1] < first[1] - 0.5  # it starts from the trained weights, not from scratch

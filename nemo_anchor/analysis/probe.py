@@ -55,6 +55,20 @@ class ProbeSettings:
         return [length for length in self.lengths if 2 <= length <= cap]
 
 
+def same_weights_in(model, dtype: torch.dtype):
+    """A copy of ``model`` in ``dtype``, built as ``from_pretrained(dtype=...)`` builds it.
+
+    ``model.to(dtype)`` would also round the fp32 RoPE ``inv_freq`` buffer, which a model loaded
+    in bf16 keeps in fp32; loading the state dict into a fresh model leaves that buffer alone.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):  # the throw-away initialisation must not move the caller's RNG
+        copy = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    copy.load_state_dict(model.state_dict())
+    return copy.to(model.device).eval()
+
+
 def random_init_copy(config, *, dtype: torch.dtype, seed: int):
     """A randomly initialised model of ``config`` in ``dtype``, reproducible from ``seed``.
 
@@ -110,8 +124,9 @@ def run_probe(
     Returns ``(results, metadata)``: ``results[variant]`` is :func:`probe_model`'s mapping, for the
     variants in ``settings.variants``; ``metadata`` records the settings and inputs actually used.
     """
-    pretrained_bf16, tokenizer = load_model(model_path, dtype=torch.bfloat16, device=device)
-    config = pretrained_bf16.config
+    # One load in fp32 (exact for weights stored in bf16); the bf16 variant is a copy of it.
+    pretrained, tokenizer = load_model(model_path, dtype=torch.float32, device=device)
+    config = pretrained.config
     logit_lengths = settings.logit_lengths(getattr(config, "max_position_embeddings", None))
     window = max([settings.sequence_length, *logit_lengths])
     sequences = read_token_windows(sources, tokenizer, num_windows=settings.num_sequences, length=window, text_key=text_key)
@@ -122,10 +137,10 @@ def run_probe(
     with tqdm(total=steps, desc="probe", unit="pass") as progress:
         for variant in settings.variants:
             progress.set_postfix_str(variant)
-            if variant == "bf16":
-                model = pretrained_bf16
-            elif variant == "fp32":
-                model, _ = load_model(model_path, dtype=torch.float32, device=device)
+            if variant == "fp32":
+                model = pretrained
+            elif variant == "bf16":
+                model = same_weights_in(pretrained, torch.bfloat16)
             else:
                 model = random_init_copy(config, dtype=torch.bfloat16, seed=settings.seed).to(device)
             results[variant] = probe_model(model, sequences, settings, logit_lengths, progress)

@@ -37,7 +37,11 @@ def read_indexed_dataset(prefix: str | Path) -> IndexedDocuments:
     """
     prefix = Path(prefix)
     idx_path, bin_path = prefix.with_name(prefix.name + ".idx"), prefix.with_name(prefix.name + ".bin")
-    raw = np.fromfile(idx_path, dtype=np.uint8)
+    try:
+        raw = np.fromfile(idx_path, dtype=np.uint8)
+        actual_bytes = bin_path.stat().st_size
+    except OSError as error:
+        raise ValueError(f"cannot read Megatron dataset {prefix}: {error}") from error
 
     def corrupt(what: str) -> ValueError:
         return ValueError(f"corrupt Megatron index {idx_path}: {what}")
@@ -68,7 +72,6 @@ def read_indexed_dataset(prefix: str | Path) -> IndexedDocuments:
     if doc_index[0] != 0 or doc_index[-1] != num_sequences or (np.diff(doc_index) < 0).any():
         raise corrupt("document indices must rise from 0 to the sequence count")
     expected_bytes = int(token_starts[-1]) * dtype.itemsize
-    actual_bytes = bin_path.stat().st_size
     if actual_bytes != expected_bytes:
         raise corrupt(f"{bin_path} has {actual_bytes} bytes, the index describes {expected_bytes}")
     tokens = (np.memmap(bin_path, dtype=dtype, mode="r") if expected_bytes else np.zeros(0, dtype))

@@ -90,21 +90,13 @@ def pack(inputs: list[str | Path], tokenizer: str | Tokenizer, output: str | Pat
         tokenizer = _resolve_tokenizer(tokenizer, files, options, hold_out)
         store = read_documents(files, tokenizer, work / ".store", text_key=options.text_key,
                                on_invalid_utf8=options.on_invalid_utf8, hold_out=hold_out, skipped=skipped)
-        usable = store.lengths >= options.min_doc_tokens
-        skipped["empty"] += int((store.lengths == 0).sum())
-        skipped["short"] += int(((store.lengths > 0) & ~usable).sum())
-        skipped["held_out"] += int((usable & store.held_out).sum())
-        train, valid = np.flatnonzero(usable & ~store.held_out), np.flatnonzero(usable & store.held_out)
-        if len(train) == 0:
-            raise ValueError(f"no training documents left of {len(store)} read (skipped: {dict(skipped)})")
-        if options.valid_fraction > 0 and len(valid) == 0:
-            raise ValueError(f"valid_fraction {options.valid_fraction} held out none of {len(store)} documents")
-
+        train, valid = _split(store, options, skipped)
         layout = WindowLayout(options.seq_length, tokenizer.anchor_id, tokenizer.eos_id, tokenizer.pad_id,
                               _tags(tokenizer, store.domain_names, options), options.drop_last)
         common = {"inputs": [str(item.path) for item in files], "options": asdict(options)}
         train = _train_order(store, train, options)
         stats = {"input_documents": len(store), "skipped": {key: value for key, value in skipped.items() if value},
+                 "held_out": len(valid),
                  "splits": {"train": _pack_split(store, train, tokenizer, layout, options, work, split="train",
                                                  common=common)}}
         if len(valid):
@@ -117,6 +109,20 @@ def pack(inputs: list[str | Path], tokenizer: str | Tokenizer, output: str | Pat
         if export_nemo:
             _export_nemo(work, options.seq_length, has_valid=bool(len(valid)))
     return stats
+
+
+def _split(store: DocumentStore, options: PackOptions, skipped: Counter) -> tuple[np.ndarray, np.ndarray]:
+    """Training and held-out documents, in input order, after dropping empty and short ones."""
+    usable = store.lengths >= options.min_doc_tokens
+    skipped["empty"] += int((store.lengths == 0).sum())
+    skipped["short"] += int(((store.lengths > 0) & ~usable).sum())
+    train, valid = np.flatnonzero(usable & ~store.held_out), np.flatnonzero(usable & store.held_out)
+    if len(train) == 0:
+        raise ValueError(f"no training documents left of {len(store)} read (skipped: {dict(skipped)}, "
+                         f"held out: {len(valid)})")
+    if options.valid_fraction > 0 and len(valid) == 0:
+        raise ValueError(f"valid_fraction {options.valid_fraction} held out none of {len(store)} documents")
+    return train, valid
 
 
 def _resolve_tokenizer(spec: str | Tokenizer, files: list[InputFile], options: PackOptions,

@@ -40,8 +40,8 @@ def split_statistics(lengths: np.ndarray, domains: np.ndarray, domain_names: lis
 
 def format_statistics(stats: dict) -> str:
     """A human-readable summary of :func:`pack` statistics (one block per split)."""
-    lines = [f"input documents {stats['input_documents']}, skipped: "
-             + (", ".join(f"{reason} {count}" for reason, count in stats["skipped"].items()) or "none")]
+    skipped = ", ".join(f"{reason} {count}" for reason, count in stats["skipped"].items()) or "none"
+    lines = [f"input documents {stats['input_documents']}, held out {stats['held_out']}, skipped: {skipped}"]
     for split, numbers in stats["splits"].items():
         length = numbers["document_length"]
         lines += [

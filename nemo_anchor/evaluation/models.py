@@ -42,4 +42,6 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device:
         from nemo_anchor.export.inference import load_hf_model
 
         model, tokenizer = load_hf_model(path, dtype=dtype)
+    if tokenizer is None:
+        raise ValueError(f"no tokenizer found for the model at {path}")
     return model.to(device).eval(), tokenizer

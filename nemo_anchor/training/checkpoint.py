@@ -67,6 +67,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         f"checkpoint directory iter_NNNNNNN containing metadata.json")
 
 
+def has_training_state(ckpt_dir: str | os.PathLike) -> bool:
+    """False for a weights-only checkpoint (``import-hf`` output): start from it, do not resume it."""
+    return "extra" in (dist_checkpointing.load_common_state_dict(str(ckpt_dir)) or {})
+
+
 def read_run_config(ckpt_dir: str | os.PathLike):
     """The run config saved with a checkpoint (OmegaConf DictConfig)."""
     path = Path(ckpt_dir) / "config.yaml"

@@ -102,10 +102,14 @@ class Trainer:
         torch.manual_seed(t.seed)
         bf16 = t.precision == "bf16"
         self.model = build_gpt_model(m, vocab_size, bf16=bf16).to(self.ctx.device)
-        if m.init_from_hf and not ckpt.list_checkpoints(self.output_dir / "checkpoints"):
+        saved = ckpt.list_checkpoints(self.output_dir / "checkpoints")
+        self._resumable = [p for p in saved if ckpt.has_training_state(p)] if config.checkpoint.resume else []
+        # a weights-only checkpoint in output_dir (import-hf output) is a starting point like init_from_hf
+        start_from = m.init_from_hf or (saved[-1] if saved and not self._resumable else None)
+        if start_from and not self._resumable:
             from nemo_anchor.export.hf import init_model_from_hf
 
-            init_model_from_hf(self.model, m.init_from_hf)
+            init_model_from_hf(self.model, start_from)
         if bf16:
             self.model.bfloat16()
         self.optimizer = MixedPrecisionOptimizer(self.model, config.optim)
@@ -140,17 +144,17 @@ class Trainer:
 
     def _resume(self) -> None:
         self._resumed_from = None
-        existing = ckpt.list_checkpoints(self.output_dir / "checkpoints")
-        if not existing or not self.config.checkpoint.resume:
+        if not self._resumable:
             return
+        latest = self._resumable[-1]
         self.optimizer.materialise_state()  # shapes for dist_checkpointing to load into
-        weights, extra = ckpt.load_checkpoint_state(existing[-1], self.model, self._extra_state(),
+        weights, extra = ckpt.load_checkpoint_state(latest, self.model, self._extra_state(),
                                                     self.optimizer.master_weights())
         self.optimizer.load_weights(weights)
         self.optimizer.load_state_dict(extra["optimizer"])
         self.sampler.load_state_dict(extra["sampler"])
         self.step = int(extra["step"])
-        self._resumed_from = existing[-1]
+        self._resumed_from = latest
 
     # ----------------------------------------------------------------- steps
     def _load(self, dataset: PackedDataset, indices) -> dict:
