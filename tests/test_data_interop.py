@@ -118,6 +118,17 @@ def test_our_nemo_export_reads_back_as_its_segments(packed, tmp_path):
     assert [sequences.tokens[a:b].tolist() for a, b in zip(sequences.offsets[:-1], sequences.offsets[1:])] == segments
 
 
+def test_write_nemo_packed_appends_to_metadata_list(packed, tmp_path):
+    first = write_nemo_packed(PackedDataset(packed), tmp_path / "training_64.npy", tmp_path / "meta.jsonl")
+    second = write_nemo_packed(packed / "valid", tmp_path / "validation_64.npy", tmp_path / "meta.jsonl")
+    assert json.loads((tmp_path / "meta.jsonl").read_text()) == [first, second]
+    assert (tmp_path / "training_64.npy").read_bytes() == (packed / "nemo" / "training_64.npy").read_bytes()
+    (tmp_path / "bad.jsonl").write_text("{}")
+    with pytest.raises(ValueError, match="bad.jsonl must hold a JSON list"):
+        write_nemo_packed(packed, tmp_path / "x.npy", tmp_path / "bad.jsonl")
+    assert not (tmp_path / "x.npy").exists()
+
+
 def test_bad_nemo_files(tmp_path):
     np.save(tmp_path / "a.npy", np.arange(3))
     with pytest.raises(ValueError, match="a.npy: expected a 1-D array of dicts"):

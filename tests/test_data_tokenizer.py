@@ -67,9 +67,22 @@ def test_tokenizer_without_bos_anchors_on_eos(tmp_path):
     assert (tokenizer.anchor_id, tokenizer.eos_id) == (2, 2)
 
 
+def test_bare_tokenizer_json_gets_its_special_tokens_by_name(tmp_path):
+    BYTE.save(tmp_path / "bare")
+    for config in ("tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "bare" / config).unlink()
+    bare = load_tokenizer(tmp_path / "bare")
+    assert (bare.bos_id, bare.eos_id, bare.pad_id, bare.vocab_size) == (256, 257, 258, 259)
+    assert bare.encode("</s> ok") == BYTE.encode("</s> ok")
+
+
 def test_load_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="expected 'byte' or a local Hugging Face tokenizer directory"):
         load_tokenizer(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="cannot load a Hugging Face tokenizer from .*empty"):
         load_tokenizer(tmp_path / "empty")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot load .*broken/tokenizer.json"):
+        load_tokenizer(tmp_path / "broken")

@@ -148,3 +148,10 @@ def test_token_windows_from_text_and_jsonl(tmp_path):
     jsonl.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
     with pytest.raises(ValueError, match=r"docs.jsonl:2"):
         read_token_windows([jsonl], tokenizer, num_windows=1, length=64)
+
+
+def test_unfit_tasks_are_all_reported_before_any_decoding():
+    settings = runner.EvalSettings(tasks=("vt", "niah_multiquery", "niah_single"), lengths=(300,), num_samples=1)
+    with pytest.raises(ValueError, match=r"(?s)task vt: 300 tokens.*task niah_multiquery: 300 tokens") as error:
+        runner.build_prompts(make_tokenizer(), settings, [300])
+    assert "niah_single" not in str(error.value)

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from nemo_anchor.analysis.probe import random_init_copy
+from nemo_anchor.analysis.probe import random_init_copy, same_weights_in
 from nemo_anchor.analysis.shift_metrics import check_supported, fp32_score_attention, shift_differences
 from nemo_anchor.cli import main
 from nemo_anchor.evaluation.models import load_model
@@ -157,6 +157,14 @@ def test_random_copy_is_seeded_kaiming_and_leaves_the_global_rng_alone():
     bound = config.intermediate_size**-0.5  # kaiming_uniform_(a=sqrt(5)) draws from U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     assert 0.9 * bound < weight.float().abs().max() <= bound * 1.01
     assert first.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_bf16_copy_is_what_a_bf16_load_gives(trained_model_dir):
+    copy = same_weights_in(load_model(trained_model_dir, dtype=torch.float32)[0], torch.bfloat16)
+    loaded, _ = load_model(trained_model_dir, dtype=torch.bfloat16)
+    assert copy.state_dict().keys() == loaded.state_dict().keys()
+    assert all(torch.equal(copy.state_dict()[name], tensor) for name, tensor in loaded.state_dict().items())
+    assert copy.model.rotary_emb.inv_freq.dtype == loaded.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
 def test_rope_scaled_by_batch_positions_is_refused():

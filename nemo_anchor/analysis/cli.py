@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from nemo_anchor.analysis.probe import PAPER_LENGTHS, PAPER_SHIFTS, VARIANTS, ProbeSettings
 from nemo_anchor.evaluation.cli import add_model_arguments
 
@@ -27,10 +29,10 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--text-key", default="text", help="JSONL field holding the text (default: text)")
     parser.add_argument("--num-sequences", type=int, default=DEFAULTS.num_sequences, help="sequences averaged over")
-    parser.add_argument("--sequence-length", type=int, default=DEFAULTS.sequence_length, help="tokens per sequence for D")
-    parser.add_argument("--shifts", type=int, nargs="+", default=list(PAPER_SHIFTS), help="the Δ1 values (paper's list)")
+    parser.add_argument("--sequence-length", type=int, default=DEFAULTS.sequence_length, help="tokens per sequence (D)")
+    parser.add_argument("--shifts", type=int, nargs="+", default=list(PAPER_SHIFTS), help="the Δ1 values (paper's)")
     parser.add_argument("--reference-shift", type=int, default=DEFAULTS.reference_shift, help="Δ2 (default 16)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=list(PAPER_LENGTHS), help="sequence lengths for D_logit")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(PAPER_LENGTHS), help="lengths for D_logit")
     parser.add_argument("--max-length", type=int, default=DEFAULTS.max_length, help="cap on the D_logit lengths")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the random_bf16 initialisation")
@@ -64,13 +66,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary(results: dict, reference_shift: int) -> str:
-    """A few lines a person reads: D at Δ1 = 0, the first token's share of it, D_logit at the longest length."""
-    lines = [f"{'variant':<12} {'D(0,' + str(reference_shift) + ')':>12} {'first-token share':>18} {'D_logit':>12} (length)"]
+    """What a person reads first: D at Δ1 = 0, how the first token's per-token difference compares
+    with the others' (the paper finds it the largest), and D_logit at the longest length."""
+    header = f"D(0,{reference_shift})"
+    lines = [f"{'variant':<12} {header:>12} {'first/median':>13} {'first rank':>11} {'D_logit':>12} (length)"]
     for variant, measured in results.items():
-        per_token = measured["per_token"]
-        total = sum(per_token)
-        share = per_token[0] / total if total > 0 else float("nan")
+        per_token = torch.tensor(measured["per_token"])
+        ratio = (per_token[0] / per_token[1:].median()).item() if len(per_token) > 1 else float("nan")
+        rank = int((per_token > per_token[0]).sum()) + 1
         longest = max(measured["D_logit"], key=int, default=None)
         logit = f"{measured['D_logit'][longest]:12.4g} ({longest})" if longest else f"{'-':>12}"
-        lines.append(f"{variant:<12} {total:12.4g} {share:18.1%} {logit}")
+        total = per_token.sum().item()
+        lines.append(f"{variant:<12} {total:12.4g} {ratio:13.3g} {rank:>6}/{len(per_token):<4} {logit}")
     return "\n".join(lines)

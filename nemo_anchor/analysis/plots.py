@@ -28,10 +28,12 @@ def plot_figure1(results: dict, reference_shift: int, path: str | Path) -> None:
         left.plot(range(len(shifts)), [measured["D"][shift] for shift in shifts], marker="o", **style)
         left.set_xticks(range(len(shifts)), shifts, rotation=60)
         middle.plot(range(len(measured["per_token"])), measured["per_token"], linewidth=0.8, **style)
-        lengths = list(measured["D_logit"])
-        right.plot([int(length) for length in lengths], [measured["D_logit"][length] for length in lengths], marker="o", **style)
+        lengths = [int(length) for length in measured["D_logit"]]
+        right.plot(lengths, list(measured["D_logit"].values()), marker="o", **style)
     left.set(title=f"Attention difference D (Δ2 = {reference_shift})", xlabel="Δ1", ylabel="D")
-    middle.set(title=f"Per-token difference (Δ1 = 0, Δ2 = {reference_shift})", xlabel="key token index", ylabel="difference")
+    middle.set(
+        title=f"Per-token difference (Δ1 = 0, Δ2 = {reference_shift})", xlabel="key token index", ylabel="difference"
+    )
     right.set(title="First-token logit difference D_logit", xlabel="sequence length", ylabel="D_logit")
     right.set_xscale("log", base=2)
     for axis in (left, middle, right):

@@ -87,7 +87,9 @@ def random_init_copy(config, *, dtype: torch.dtype, seed: int):
     return model.eval()
 
 
-def probe_model(model, sequences: torch.Tensor, settings: ProbeSettings, logit_lengths: Sequence[int], progress=None) -> dict:
+def probe_model(
+    model, sequences: torch.Tensor, settings: ProbeSettings, logit_lengths: Sequence[int], progress=None
+) -> dict:
     """Measure one model on ``sequences`` (int64 ``[N, >= max(sequence_length, *logit_lengths)]``).
 
     Returns ``{"D": {str(Δ1): float}, "per_token": [float] * sequence_length, "D_logit": {str(T): float}}``,
@@ -104,8 +106,10 @@ def probe_model(model, sequences: torch.Tensor, settings: ProbeSettings, logit_l
         logits, row = measured, rows.index(0)
         if longest > settings.sequence_length:
             _advance(progress)
-            logits, row = shift_differences(model, sequence[:longest], [0], settings.reference_shift, attention=False), 0
-        logit_differences += torch.tensor([logits.D_logit(length)[row].item() for length in logit_lengths], dtype=torch.float64)
+            logits = shift_differences(model, sequence[:longest], [0], settings.reference_shift, attention=False)
+            row = 0
+        per_length = [logits.D_logit(length)[row].item() for length in logit_lengths]
+        logit_differences += torch.tensor(per_length, dtype=torch.float64)
         _advance(progress)
     attention /= len(sequences)
     logit_differences /= len(sequences)
@@ -129,7 +133,9 @@ def run_probe(
     config = pretrained.config
     logit_lengths = settings.logit_lengths(getattr(config, "max_position_embeddings", None))
     window = max([settings.sequence_length, *logit_lengths])
-    sequences = read_token_windows(sources, tokenizer, num_windows=settings.num_sequences, length=window, text_key=text_key)
+    sequences = read_token_windows(
+        sources, tokenizer, num_windows=settings.num_sequences, length=window, text_key=text_key
+    )
 
     results = {}
     passes_per_sequence = 2 if max(logit_lengths, default=0) > settings.sequence_length else 1

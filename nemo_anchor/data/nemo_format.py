@@ -119,19 +119,23 @@ def write_nemo_packed(dataset, npy_path: str | Path, metadata_path: str | Path |
         "pack_size": dataset.seq_length,
         "min_packed_seqlen": int(min(packed_lengths)),
     }
+    earlier_entries = _read_metadata(Path(metadata_path)) if metadata_path is not None else []
     with atomic_file(npy_path) as tmp:
         with open(tmp, "wb") as out:
             np.save(out, packs, allow_pickle=True)
     if metadata_path is not None:
-        _append_metadata(Path(metadata_path), metadata)
+        with atomic_file(metadata_path) as tmp:
+            tmp.write_text(json.dumps(earlier_entries + [metadata]))
     return metadata
 
 
-def _append_metadata(path: Path, entry: dict) -> None:
-    entries = []
-    if path.exists():
+def _read_metadata(path: Path) -> list:
+    if not path.exists():
+        return []
+    try:
         entries = json.loads(path.read_text())
-        if not isinstance(entries, list):
-            raise ValueError(f"NeMo packing metadata {path} must hold a JSON list, found {type(entries).__name__}")
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(entries + [entry]))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read NeMo packing metadata {path}: {error}") from error
+    if not isinstance(entries, list):
+        raise ValueError(f"NeMo packing metadata {path} must hold a JSON list, found {type(entries).__name__}")
+    return entries

@@ -21,7 +21,7 @@ from nemo_anchor.data.plan import Pieces
 from nemo_anchor.data.store import DocumentStore
 
 PART_TOKENS = 1 << 20  # the longest piece read at once
-BATCH_TOKENS = 4 << 20  # body tokens built and written per step
+BATCH_TOKENS = 1 << 20  # body tokens built and written per step (bounds the index temporaries)
 
 
 @dataclass(frozen=True)

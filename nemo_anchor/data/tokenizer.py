@@ -17,7 +17,12 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # BOS, EOS, PAD of the tokenizers built here
 NUM_BYTES = 256
 TOKENIZER_SUBDIR = "tokenizer"  # where a packed dataset keeps its tokenizer
-HF_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+# roles of the special tokens of a bare tokenizer.json, by the names common tokenizers use
+BARE_SPECIAL_TOKENS = {
+    "bos_token": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
+    "eos_token": ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>"),
+    "pad_token": ("<pad>", "<|pad|>", "[PAD]"),
+}
 
 
 class Tokenizer:
@@ -124,8 +129,9 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     """Load a tokenizer from ``spec``.
 
     Args:
-        spec: ``"byte"``; a local Hugging Face tokenizer directory (``tokenizer.json`` plus
-            ``tokenizer_config.json``); or a directory holding one in a ``tokenizer/`` subdirectory,
+        spec: ``"byte"``; a local Hugging Face tokenizer directory (``AutoTokenizer`` files, or a
+            bare ``tokenizer.json`` whose BOS/EOS/PAD are recognised by their usual names, see
+            ``BARE_SPECIAL_TOKENS``); or a directory holding one in a ``tokenizer/`` subdirectory,
             such as a packed dataset. Nothing is downloaded.
 
     Raises:
@@ -138,13 +144,32 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         path = path / TOKENIZER_SUBDIR
     if not path.is_dir():
         raise ValueError(f"tokenizer {str(spec)!r}: expected 'byte' or a local Hugging Face tokenizer directory")
-    if not any((path / name).is_file() for name in HF_TOKENIZER_FILES):
-        raise ValueError(f"cannot load a Hugging Face tokenizer from {path}: none of {HF_TOKENIZER_FILES} is there")
+    if (path / "tokenizer_config.json").is_file():
+        return Tokenizer(_auto_tokenizer(path), str(path))
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer(_bare_tokenizer(path / "tokenizer.json"), str(path))
+    raise ValueError(f"cannot load a Hugging Face tokenizer from {path}: no tokenizer_config.json or tokenizer.json")
+
+
+def _auto_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:  # what HF raises varies by file
         first_line = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
         raise ValueError(f"cannot load a Hugging Face tokenizer from {path}: {first_line}") from error
-    return Tokenizer(hf, str(path))
+
+
+def _bare_tokenizer(path: Path):
+    """A ``tokenizer.json`` without configs: its special added tokens take the BOS/EOS/PAD roles by name."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # the Rust loader raises a bare Exception
+        raise ValueError(f"cannot load {path}: {error}") from error
+    special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
+    roles = {role: next((name for name in names if name in special), None) for role, names in BARE_SPECIAL_TOKENS.items()}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                   **{role: name for role, name in roles.items() if name})

@@ -28,13 +28,13 @@ def register(subparsers) -> None:
         "--tasks", nargs="*", choices=sorted(TASKS), default=list(DEFAULTS.tasks), metavar="TASK",
         help=f"RULER-style tasks (default: all of {', '.join(TASKS)}); none to skip them",
     )
-    parser.add_argument("--lengths", type=int, nargs="+", help="context lengths (default: 4K..128K up to the model's maximum)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="context lengths (default: 4K..128K, up to the model's)")
     parser.add_argument("--num-samples", type=int, default=DEFAULTS.num_samples, help="samples per task and length")
     parser.add_argument("--max-new-tokens", type=int, help="override every task's generation budget")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the generated tasks")
     parser.add_argument("--perplexity-data", nargs="+", default=[], help="packed dataset directory or text/JSONL files")
     parser.add_argument("--perplexity-length", type=int, default=DEFAULTS.perplexity_length, help="tokens per window")
-    parser.add_argument("--perplexity-windows", type=int, default=DEFAULTS.perplexity_windows, help="windows averaged over")
+    parser.add_argument("--perplexity-windows", type=int, default=DEFAULTS.perplexity_windows, help="windows")
     parser.add_argument("--perplexity-buckets", type=int, default=DEFAULTS.perplexity_buckets, help="position buckets")
     parser.add_argument("--text-key", default=DEFAULTS.text_key, help="JSONL field holding the text")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")

@@ -50,7 +50,9 @@ def _packed_windows(directory: Path, num_windows: int, length: int) -> torch.Ten
     for index in range(num_windows):
         tokens = torch.as_tensor(dataset[index]["tokens"], dtype=torch.int64)
         if tokens.numel() < length:
-            raise ValueError(f"packed dataset {directory}: sample {index} has {tokens.numel()} tokens, {length} requested")
+            raise ValueError(
+                f"packed dataset {directory}: sample {index} has {tokens.numel()} tokens, {length} requested"
+            )
         windows.append(tokens[:length])
     return torch.stack(windows)
 

@@ -22,7 +22,10 @@ class PositionPerplexity:
         return torch.tensor(self.nll, dtype=torch.float64).exp().tolist()
 
     def as_dict(self) -> dict:
-        return {"starts": self.starts, "ends": self.ends, "nll": self.nll, "perplexity": self.perplexity, "num_tokens": self.num_tokens}
+        return {
+            "starts": self.starts, "ends": self.ends, "nll": self.nll,
+            "perplexity": self.perplexity, "num_tokens": self.num_tokens,
+        }
 
 
 def bucket_edges(length: int, num_buckets: int) -> list[int]:

@@ -26,7 +26,8 @@ def format_tables(report: dict) -> str:
             sections.append(_table("RULER average per checkpoint (%)", ["checkpoint", *lengths], rows))
     if mean["perplexity"] is not None:
         ppl = mean["perplexity"]
-        rows = [[f"{start}-{end - 1}", nll, value] for start, end, nll, value in zip(ppl["starts"], ppl["ends"], ppl["nll"], ppl["perplexity"])]
+        buckets = zip(ppl["starts"], ppl["ends"], ppl["nll"], ppl["perplexity"])
+        rows = [[f"{start}-{end - 1}", nll, value] for start, end, nll, value in buckets]
         sections.append(_table("Perplexity by target position", ["positions", "nll", "ppl"], rows))
     return "\n\n".join(sections)
 
@@ -60,9 +61,12 @@ def plot_report(report: dict, path: str | Path) -> None:
         axis = next(axes)
         labels = [_run_label(run) for run in runs]
         for length in mean["ruler_average"]:
-            line, = axis.plot(labels, [run["ruler_average"][length] for run in runs], marker="o", label=f"{length} tokens")
+            scores = [run["ruler_average"][length] for run in runs]
+            (line,) = axis.plot(labels, scores, marker="o", label=f"{length} tokens")
             axis.axhline(mean["ruler_average"][length], color=line.get_color(), linestyle="--", linewidth=1)
-        axis.set(title="RULER average per checkpoint (dashed: mean)", xlabel="checkpoint", ylabel="score (%)")
+        axis.set(
+            title="RULER average per checkpoint (dashed: mean)", xlabel="checkpoint", ylabel="score (%)", ylim=(-2, 102)
+        )
         axis.legend(fontsize=7)
     for axis in figure.axes:
         axis.grid(alpha=0.3)
@@ -72,8 +76,9 @@ def plot_report(report: dict, path: str | Path) -> None:
 def _table(title: str, header: list, rows: list[list]) -> str:
     cells = [[str(cell) for cell in header]] + [[_cell(cell) for cell in row] for row in rows]
     widths = [max(len(row[column]) for row in cells) for column in range(len(header))]
+    # First column (names) left-aligned, numbers right-aligned.
     lines = [title] + [
-        "  ".join(cell.ljust(width) if column == 0 else cell.rjust(width) for column, (cell, width) in enumerate(zip(row, widths)))
+        "  ".join([row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])])
         for row in cells
     ]
     lines.insert(2, "-" * len(lines[1]))

@@ -97,7 +97,9 @@ class NeedleTask:
         else:
             # Distractors never reuse a real key, so the answer stays unique.
             units = [
-                NEEDLE.format(kind=self.value_kind, key=self._distractor_key(keys, rng), value=_draw(self.value_kind, rng))
+                NEEDLE.format(
+                    kind=self.value_kind, key=self._distractor_key(keys, rng), value=_draw(self.value_kind, rng)
+                )
                 for _ in range(num_units)
             ]
         for index, needle in zip(sorted(rng.sample(range(num_units), len(needles)), reverse=True), needles):
@@ -151,12 +153,15 @@ class VariableTrackingTask:
 
     def _render(self, num_units: int, rng: random.Random, name_length: int) -> tuple[str, list[str]]:
         chain_length = self.num_hops + 1
-        names = _distinct(lambda: "".join(rng.choices(string.ascii_uppercase, k=name_length)), self.num_chains * chain_length)
+        names = _distinct(
+            lambda: "".join(rng.choices(string.ascii_uppercase, k=name_length)), self.num_chains * chain_length
+        )
         values = _distinct(lambda: str(rng.randint(10000, 99999)), self.num_chains)
         sentences = [NOISE + "\n"] * num_units
         for chain_index, value in enumerate(values):
             chain = names[chain_index * chain_length : (chain_index + 1) * chain_length]
-            statements = [f"VAR {chain[0]} = {value}"] + [f"VAR {chain[j + 1]} = VAR {chain[j]} " for j in range(self.num_hops)]
+            statements = [f"VAR {chain[0]} = {value}"]
+            statements += [f"VAR {chain[j + 1]} = VAR {chain[j]} " for j in range(self.num_hops)]
             for offset, position in enumerate(sorted(rng.sample(range(len(sentences)), len(statements)))):
                 sentences.insert(position + offset, statements[offset])
         context = " ".join(sentences).replace(". \n", ".\n")
@@ -170,13 +175,17 @@ TASKS: dict[str, Task] = {
     task.name: task
     for task in (
         NeedleTask("niah_single", "one needle, repeat haystack (RULER niah_single_1)"),
-        NeedleTask("niah_multikey", "4 keys, 1 queried, repeat haystack (RULER niah_multikey_1 uses essays)", num_keys=4),
+        NeedleTask(
+            "niah_multikey", "4 keys, 1 queried, repeat haystack (RULER niah_multikey_1 uses essays)", num_keys=4
+        ),
         NeedleTask("niah_multikey_needle", "haystack of distractor needles (RULER niah_multikey_2)", haystack="needle"),
         NeedleTask(
             "niah_multikey_needle_uuid", "distractor needles, UUID keys and values (RULER niah_multikey_3)",
             haystack="needle", key_kind="uuids", value_kind="uuids",
         ),
-        NeedleTask("niah_multivalue", "1 key with 4 values, repeat haystack (RULER niah_multivalue uses essays)", num_values=4),
+        NeedleTask(
+            "niah_multivalue", "1 key with 4 values, repeat haystack (RULER niah_multivalue uses essays)", num_values=4
+        ),
         NeedleTask(
             "niah_multiquery", "4 keys, all 4 queried, repeat haystack (RULER niah_multiquery uses essays)",
             num_keys=4, num_queries=4,
@@ -245,7 +254,8 @@ def _word_lists() -> tuple[list[str], list[str]]:
     from wonderwords import RandomWord
 
     words = RandomWord()
-    return sorted(set(words.filter(include_categories=["adjective"]))), sorted(set(words.filter(include_categories=["noun"])))
+    adjectives = sorted(set(words.filter(include_categories=["adjective"])))
+    return adjectives, sorted(set(words.filter(include_categories=["noun"])))
 
 
 def _distinct(draw: Callable[[], str], count: int) -> list[str]:

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from nemo_anchor.evaluation.corpus import read_token_windows
 from nemo_anchor.evaluation.models import load_model
 from nemo_anchor.evaluation.perplexity import perplexity_by_position
-from nemo_anchor.evaluation.ruler import TASKS, generate_samples
+from nemo_anchor.evaluation.ruler import TASKS, Sample, Task, generate_samples
 from nemo_anchor.evaluation.scoring import postprocess_prediction
 
 RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -77,42 +77,60 @@ def evaluate_model(model, tokenizer, settings: EvalSettings, desc: str = "eval")
 
     Returns ``(result, predictions)``: ``result`` is ``{"ruler": {task: {str(length): score}},
     "ruler_average": {str(length): mean over tasks}, "perplexity": PositionPerplexity.as_dict() or None}``
-    with scores in percent; ``predictions`` has one record per generated sample.
+    with scores in percent; ``predictions`` has one record per generated sample. All prompts and
+    perplexity windows are prepared before decoding starts, so bad settings fail at once.
     """
-    lengths = settings.lengths_for(model) if settings.tasks else []
-    if settings.tasks and not lengths:
-        raise ValueError(f"no RULER length fits the model's max_position_embeddings ({model.config.max_position_embeddings})")
-    tasks = [TASKS[name] for name in settings.tasks]
-    if settings.max_new_tokens is not None:
-        tasks = [replace(task, max_new_tokens=settings.max_new_tokens) for task in tasks]
-    ruler: dict[str, dict[str, float]] = {task.name: {} for task in tasks}
-    predictions = []
-    with tqdm(total=len(tasks) * len(lengths) * settings.num_samples, desc=desc, unit="sample") as progress:
-        for task in tasks:
-            for length in lengths:
-                samples = generate_samples(task, tokenizer, length, settings.num_samples, settings.seed)
-                completions = []
-                for index, sample in enumerate(samples):
-                    completions.append(postprocess_prediction(greedy_completion(model, tokenizer, sample.prompt, sample.max_new_tokens)))
-                    predictions.append({
-                        "task": task.name, "length": length, "index": index, "prompt_tokens": sample.num_prompt_tokens,
-                        "answers": sample.answers, "prediction": completions[-1],
-                        "score": task.metric([completions[-1]], [sample.answers]),
-                    })
-                    progress.update(1)
-                ruler[task.name][str(length)] = task.metric(completions, [sample.answers for sample in samples])
-    result = {
-        "ruler": ruler,
-        "ruler_average": {str(length): _mean(scores[str(length)] for scores in ruler.values()) for length in lengths},
-        "perplexity": None,
-    }
+    prompts = build_prompts(tokenizer, settings, settings.lengths_for(model) if settings.tasks else [])
+    windows = None
     if settings.perplexity_data:
         windows = read_token_windows(
             settings.perplexity_data, tokenizer, num_windows=settings.perplexity_windows,
             length=settings.perplexity_length, text_key=settings.text_key,
         )
-        result["perplexity"] = perplexity_by_position(model, windows, settings.perplexity_buckets).as_dict()
+    ruler: dict[str, dict[str, float]] = {}
+    predictions = []
+    with tqdm(total=len(prompts) * settings.num_samples, desc=desc, unit="sample") as progress:
+        for (task, length), samples in prompts.items():
+            completions = []
+            for index, sample in enumerate(samples):
+                completion = greedy_completion(model, tokenizer, sample.prompt, sample.max_new_tokens)
+                completions.append(postprocess_prediction(completion))
+                predictions.append({
+                    "task": task.name, "length": length, "index": index, "prompt_tokens": sample.num_prompt_tokens,
+                    "answers": sample.answers, "prediction": completions[-1],
+                    "score": task.metric([completions[-1]], [sample.answers]),
+                })
+                progress.update(1)
+            ruler.setdefault(task.name, {})[str(length)] = task.metric(completions, [s.answers for s in samples])
+    lengths = sorted({length for _, length in prompts})
+    perplexity = None
+    if windows is not None:
+        perplexity = perplexity_by_position(model, windows, settings.perplexity_buckets).as_dict()
+    result = {
+        "ruler": ruler,
+        "ruler_average": {str(length): _mean(scores[str(length)] for scores in ruler.values()) for length in lengths},
+        "perplexity": perplexity,
+    }
     return result, predictions
+
+
+def build_prompts(tokenizer, settings: EvalSettings, lengths: Sequence[int]) -> dict[tuple[Task, int], list[Sample]]:
+    """The samples of every (task, length), or one ValueError naming every pair that cannot fit."""
+    if settings.tasks and not lengths:
+        raise ValueError("no RULER length fits the model's max_position_embeddings; pass lengths explicitly")
+    tasks = [TASKS[name] for name in settings.tasks]
+    if settings.max_new_tokens is not None:
+        tasks = [replace(task, max_new_tokens=settings.max_new_tokens) for task in tasks]
+    prompts, problems = {}, []
+    for task in tasks:
+        for length in lengths:
+            try:
+                prompts[task, length] = generate_samples(task, tokenizer, length, settings.num_samples, settings.seed)
+            except ValueError as error:
+                problems.append(str(error))
+    if problems:
+        raise ValueError("cannot build the requested tasks; use longer lengths or other tasks:\n" + "\n".join(problems))
+    return prompts
 
 
 def evaluate_paths(
@@ -135,7 +153,8 @@ def evaluate_paths(
         runs.append({"model": str(path), "iteration": iteration, **result})
         predictions += [{"model": str(path), "iteration": iteration, **record} for record in run_predictions]
         del model  # one set of weights in memory at a time
-    report = {"settings": {**asdict(settings), "dtype": str(dtype), "device": device}, "runs": runs, "mean": average_runs(runs)}
+    settings_used = {**asdict(settings), "dtype": str(dtype), "device": device}
+    report = {"settings": settings_used, "runs": runs, "mean": average_runs(runs)}
     return report, predictions
 
 
@@ -148,7 +167,9 @@ def average_runs(runs: Sequence[dict]) -> dict:
     }
     averaged = {
         "ruler": ruler,
-        "ruler_average": {length: _mean(run["ruler_average"][length] for run in runs) for length in first["ruler_average"]},
+        "ruler_average": {
+            length: _mean(run["ruler_average"][length] for run in runs) for length in first["ruler_average"]
+        },
         "perplexity": None,
     }
     if first["perplexity"] is not None:

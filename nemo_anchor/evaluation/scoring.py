@@ -15,7 +15,9 @@ def postprocess_prediction(text: str) -> str:
 def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
     """Mean over samples of the fraction of a sample's references found in its prediction, in [0, 100]."""
     _check_pairs(predictions, references)
-    per_sample = [sum(ref.lower() in pred.lower() for ref in refs) / len(refs) for pred, refs in zip(predictions, references)]
+    per_sample = [
+        sum(ref.lower() in pred.lower() for ref in refs) / len(refs) for pred, refs in zip(predictions, references)
+    ]
     return 100.0 * sum(per_sample) / len(per_sample)
 
 

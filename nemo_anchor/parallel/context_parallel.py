@@ -90,7 +90,7 @@ def context_parallel_attention(
     attend = functools.partial(anchor_attention, mode=mask, backend=backend, softmax_scale=softmax_scale)
     if cp_size == 1:
         return attend(q, k, v, cu_seqlens, cu_windows=cu_windows)
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q (t, Hq, D) and k, v (t, Hkv, D) must hold the same t local tokens, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     check_head_split(q.shape[1], k.shape[1], cp_size, comm_type)
@@ -117,7 +117,7 @@ def _head_sharded_attention(q, k, v, cu_seqlens, cu_windows, windows, group, att
     order, inverse = rank_major_order(windows, cp_size, q.device)
 
     def head_blocks(x):  # [t, H, D] -> [cp, t, H/cp, D]: block j travels to rank j
-        return x.view(t, cp_size, x.shape[1] // cp_size, head_dim).transpose(0, 1)
+        return x.reshape(t, cp_size, x.shape[1] // cp_size, head_dim).transpose(0, 1)
 
     qkv = all_to_all(torch.cat([head_blocks(x) for x in (q, k, v)], dim=2), group)
     qkv = qkv.flatten(0, 1).index_select(0, inverse)  # every token of the pack, in position order
