@@ -8,10 +8,12 @@ window's first token is the anchor), every method side by side, forward and forw
   per-doc masked SDPA     SDPA per document over [anchor, document] keys with an explicit mask
   anchor_attention ...    our backends that run here (flex: forward only on the CPU)
 
-Each measurement runs in its own subprocess, so its peak memory is clean: the peak RSS during
-the timed runs (after one warm-up run) minus the RSS once the inputs exist. GFLOP/s counts the useful work, the (query,
-key) pairs the method's mask allows (4 * D flops each per head forward, 3.5x that forward +
-backward), so a method that computes masked-out scores shows a low rate.
+Times are the fastest of ``--repeats`` runs after a warm-up, the methods interleaved run by run
+so that load from other processes falls on all of them alike. Peak memory is measured apart,
+one fresh subprocess per method and pass: the peak RSS of a run after the warm-up minus the RSS
+once the inputs exist. GFLOP/s counts useful work only, the (query, key) pairs the method's mask
+allows (4 * D flops per pair and head forward, 3.5x that forward+backward): a method that
+computes masked-out scores shows a low rate.
 
     python scripts/bench_attention.py                        # T=8192, 8 heads, d=64, 16 docs, fp32
     python scripts/bench_attention.py --peak-rss --tokens 131072 --heads 4   # memory target only
@@ -27,6 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from nemo_anchor.attention import anchor_attention
 from nemo_anchor.attention.layout import layout_blocks
@@ -54,9 +57,11 @@ def document_bounds(tokens: int, docs: int, seed: int) -> torch.Tensor:
 
 
 def allowed_pairs(cu_seqlens: torch.Tensor, mode: str) -> int:
+    """The number of (query, key) pairs the mask of ``mode`` allows."""
     tokens = int(cu_seqlens[-1])
     blocks = layout_blocks(cu_seqlens, None, mode, tokens, 0, tokens)
-    return sum((b.end - b.start) * (b.end - b.start + 1) // 2 + (b.end - b.start) * (b.anchor is not None) for b in blocks)
+    return sum(n * (n + 1) // 2 + n * (b.start - b.key_start + (b.anchor is not None))
+               for b, n in ((b, b.end - b.start) for b in blocks))
 
 
 def method_function(name: str, q, k, v, cu_seqlens):
@@ -100,40 +105,68 @@ def memory_status(field: str) -> int:
     raise KeyError(field)
 
 
-def worker(config: dict) -> dict:
-    """Time one method and pass in this (fresh) process."""
+def make_inputs(config: dict):
+    """The packed window's q, k, v (requiring grad) and cu_seqlens; a function of the seed."""
     torch.manual_seed(config["seed"])
-    torch.set_num_threads(config["threads"])
     dtype = getattr(torch, config["dtype"])
-    cu_seqlens = document_bounds(config["tokens"], config["docs"], config["seed"])
-    backward = config["pass"] == "fwd+bwd"
     shape_q = (config["tokens"], config["heads"], config["head_dim"])
     shape_kv = (config["tokens"], config["kv_heads"], config["head_dim"])
-    q, k, v = (torch.randn(s, dtype=dtype, requires_grad=backward) for s in (shape_q, shape_kv, shape_kv))
-    run = method_function(config["method"], q, k, v, cu_seqlens)
-    rss_with_inputs = memory_status("VmRSS")
+    q, k, v = (torch.randn(s, dtype=dtype, requires_grad=True) for s in (shape_q, shape_kv, shape_kv))
+    return q, k, v, document_bounds(config["tokens"], config["docs"], config["seed"])
 
-    def once() -> float:
-        start = time.perf_counter()
-        if backward:
-            out = run()
-            out.backward(torch.ones_like(out))
-            q.grad = k.grad = v.grad = None
-        else:
+
+def runner(name: str, phase: str, q, k, v, cu_seqlens):
+    """One forward (no autograd graph) or forward+backward of method ``name``."""
+    run = method_function(name, q, k, v, cu_seqlens)
+
+    def once() -> None:
+        if phase == "forward":
             with torch.no_grad():
                 run()
-        return time.perf_counter() - start
+            return
+        out = run()
+        out.backward(torch.ones_like(out))
+        q.grad = k.grad = v.grad = None
 
+    return once
+
+
+def time_round_robin(measurements, q, k, v, cu_seqlens, repeats: int) -> dict:
+    """Fastest wall time of each (method, phase), the runs interleaved so that load from other
+    processes falls on all methods alike."""
+    runs, results = {}, {}
+    for name, phase in measurements:
+        try:
+            runs[(name, phase)] = runner(name, phase, q, k, v, cu_seqlens)
+            runs[(name, phase)]()  # warm-up: thread pools, allocator, FlexAttention compilation
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            runs.pop((name, phase), None)
+            results[(name, phase)] = {"error": f"{type(error).__name__}: {error}"}
+    times = {key: [] for key in runs}
+    for _ in tqdm(range(repeats), desc="timing rounds", file=sys.stderr):
+        for key, once in runs.items():
+            start = time.perf_counter()
+            once()
+            times[key].append(time.perf_counter() - start)
+    return {**results, **{key: {"seconds": min(samples)} for key, samples in times.items()}}
+
+
+def memory_worker(config: dict) -> dict:
+    """Peak memory of one method and phase, in this fresh process."""
+    q, k, v, cu_seqlens = make_inputs(config)
+    once = runner(config["method"], config["phase"], q, k, v, cu_seqlens)
+    rss_with_inputs = memory_status("VmRSS")
     if config["warmup"]:
-        once()  # thread pools, allocator, FlexAttention compilation
+        once()
     with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # restart the peak-RSS counter (VmHWM) after the warm-up
-    times = [once() for _ in range(config["repeats"])]
-    return {"seconds": min(times), "peak_bytes": memory_status("VmHWM") - rss_with_inputs,
+        clear_refs.write("5")  # restart the peak-RSS counter (VmHWM): the warm-up's compilation is not counted
+    start = time.perf_counter()
+    once()
+    return {"seconds": time.perf_counter() - start, "peak_bytes": memory_status("VmHWM") - rss_with_inputs,
             "process_peak_bytes": memory_status("VmHWM")}
 
 
-def measure(config: dict) -> dict:
+def measure_memory(config: dict) -> dict:
     result = subprocess.run([sys.executable, __file__, "--worker", json.dumps(config)], capture_output=True, text=True)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"}
@@ -156,8 +189,9 @@ def print_table(args, cu_seqlens, results) -> None:
         baseline = results[("full causal SDPA", phase)].get("seconds")
         flops = 4 * args.head_dim * args.heads * allowed_pairs(cu_seqlens, METHODS[name][0]) * (3.5 if phase == "fwd+bwd" else 1)
         ratio = f"{result['seconds'] / baseline:.4f}" if baseline else "-"
+        peak = f"{result['peak_bytes'] / 2**20:.0f}" if result.get("peak_bytes") is not None else "-"
         print(f"| {name:34s} | {phase:7s} | {result['seconds'] * 1e3:9.1f} | {ratio:>13s} | "
-              f"{flops / result['seconds'] / 1e9:8.1f} | {result['peak_bytes'] / 2**20:8.0f} |")
+              f"{flops / result['seconds'] / 1e9:8.1f} | {peak:>8s} |")
 
 
 def check_targets(results) -> None:
@@ -187,16 +221,15 @@ def main(argv=None) -> int:
                         help="only anchor_attention cpu forward+backward; print the process's total peak RSS")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
+        print(json.dumps(memory_worker(json.loads(args.worker))))
         return 0
     args.kv_heads = args.kv_heads or args.heads
-    config = {key: getattr(args, key) for key in ("tokens", "heads", "kv_heads", "head_dim", "docs", "dtype", "seed", "repeats", "threads")}
-    config["warmup"] = not args.peak_rss
-    cu_seqlens = document_bounds(args.tokens, args.docs, args.seed)
+    config = {key: getattr(args, key) for key in ("tokens", "heads", "kv_heads", "head_dim", "docs", "dtype", "seed")}
 
-    if args.peak_rss:
-        result = measure({**config, "method": "anchor_attention cpu", "pass": "fwd+bwd", "repeats": 1})
+    if args.peak_rss:  # one run in a fresh process: everything it ever held counts
+        result = measure_memory({**config, "method": "anchor_attention cpu", "phase": "fwd+bwd", "warmup": False})
         if "error" in result:
             print(result["error"], file=sys.stderr)
             return 1
@@ -205,16 +238,24 @@ def main(argv=None) -> int:
         return 0
 
     dense_gb = 4 * args.heads * args.tokens**2 / 2**30
-    results = {}
+    skipped, measurements = {}, []
     for name in args.methods:
         for phase in ("forward", "fwd+bwd"):
             if name in DENSE_METHODS and dense_gb > args.max_dense_gb:
-                results[(name, phase)] = {"error": f"skipped: [H, T, T] scores would take {dense_gb:.0f} GB"}
+                skipped[(name, phase)] = {"error": f"skipped: [H, T, T] scores would take {dense_gb:.0f} GB"}
             elif phase == "fwd+bwd" and not METHODS[name][1]:
-                results[(name, phase)] = {"error": "n/a: no backward on the CPU"}
+                skipped[(name, phase)] = {"error": "n/a: no backward on the CPU"}
             else:
-                print(f"measuring {name}, {phase}", file=sys.stderr, flush=True)
-                results[(name, phase)] = measure({**config, "method": name, "pass": phase})
+                measurements.append((name, phase))
+    q, k, v, cu_seqlens = make_inputs(config)
+    results = {**skipped, **time_round_robin(measurements, q, k, v, cu_seqlens, args.repeats)}
+    del q, k, v
+    for key in tqdm(measurements, desc="peak memory", file=sys.stderr):
+        if "seconds" in results[key]:
+            memory = measure_memory({**config, "method": key[0], "phase": key[1], "warmup": True})
+            results[key]["peak_bytes"] = memory.get("peak_bytes")
+    order = [(name, phase) for name in METHODS for phase in ("forward", "fwd+bwd")]
+    results = {key: results[key] for key in sorted(results, key=order.index)}
     print_table(args, cu_seqlens, results)
     check_targets(results)
     return 0

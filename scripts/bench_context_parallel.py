@@ -111,7 +111,7 @@ def _worker(spec: dict) -> None:
 
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
+    torch.set_num_threads(1)  # more threads than cores per rank makes CPU timings meaningless
     counter = {"bytes": 0.0}
     _count_bytes(counter)
     dtype, total = DTYPES[spec["dtype"]], spec["window"] * spec["windows"]
@@ -160,7 +160,7 @@ def _measure(spec: dict, cp: int) -> dict:
 
 def measured_table(args) -> None:
     element_bytes = DTYPES[args.dtype].itemsize
-    print(f"\nMeasured on this CPU ({os.cpu_count()} cores shared by the ranks, gloo): one layer fwd+bwd, "
+    print(f"\nMeasured on this CPU ({os.cpu_count()} cores shared by the ranks, one thread each, gloo): one layer fwd+bwd, "
           f"{args.measure_windows_per_step} windows, AnchorAttention, Hq={args.measure_heads}, "
           f"Hkv={args.measure_query_groups}, D={args.measure_head_dim}, {args.dtype}, median of {args.repeats}")
     rows = []

@@ -63,7 +63,7 @@ def qkv(dtype, kv_heads, q_len):
     [(torch.float32, 2, 130, 300), (torch.bfloat16, 4, 0, 700)],
 )
 def test_flex_forward_matches_reference(dtype, kv_heads, q_offset, q_len):
-    q, k, v = qkv(dtype, kv_heads, q_len)
+    q, k, v = (x.requires_grad_() for x in qkv(dtype, kv_heads, q_len))  # e.g. a model's activations
     with torch.no_grad():
         out = anchor_attention(q, k, v, backend="flex", q_offset=q_offset, **LAYOUT)
         expected = anchor_attention(q, k, v, backend="reference", q_offset=q_offset, **LAYOUT)

@@ -181,10 +181,16 @@ def test_world_size_not_divisible_by_cp_is_refused():
 
 
 # ---------------------------------------------------------------- under torchrun
+def _child_environment() -> dict:
+    """os.environ without the rendezvous variables that initialize_parallel() (run by other tests in
+    this process) leaves behind: a child would otherwise try to join this process's group."""
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {**{k: v for k, v in os.environ.items() if k not in launch}, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
 def _torchrun(nproc: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_child_environment())
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(out.read_text())
 

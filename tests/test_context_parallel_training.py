@@ -18,6 +18,13 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "a", "Pack my box 
 STEPS = 3
 
 
+def _child_environment() -> dict:
+    """os.environ without the rendezvous variables that initialize_parallel() (run by other tests in
+    this process) leaves behind: a child would otherwise try to join this process's group."""
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {**{k: v for k, v in os.environ.items() if k not in launch}, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_training")
@@ -42,7 +49,7 @@ def _losses(config: Path, output_dir: Path, processes: int, overrides: list[str]
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     proc = subprocess.run([*launcher, PRETRAIN, "--config", str(config), f"output_dir={output_dir}", *overrides],
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+                          env=_child_environment())
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if "loss" in r]

@@ -71,6 +71,8 @@ def block_mask(blocks: tuple[QueryBlock, ...], q_offset: int, total: int, device
 
 def attention(q, k, v, blocks, q_offset, scale):
     mask = block_mask(blocks, q_offset, k.shape[0], q.device)
+    if not torch.is_grad_enabled():  # torch refuses CPU inputs that require grad even under no_grad
+        q, k, v = q.detach(), k.detach(), v.detach()
     out = _compiled_flex_attention()(
         *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
         block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],

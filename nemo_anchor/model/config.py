@@ -80,6 +80,11 @@ class ModelConfig:
             bad("hidden_size", self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads}")
         if self.rope_scaling != "none" and self.rope_scaling_factor < 1:
             bad("rope_scaling_factor", self.rope_scaling_factor, "must be >= 1 with rope scaling")
+        if self.context_parallel_size > 1:
+            from nemo_anchor.parallel.context_parallel import check_head_split
+
+            check_head_split(self.num_attention_heads, self.num_query_groups, self.context_parallel_size,
+                             self.cp_comm_type)
         self.resolved_rotary_base()
 
     @property

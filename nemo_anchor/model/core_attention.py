@@ -89,7 +89,10 @@ class AnchorCoreAttention(MegatronModule):
 
         s, b = query.shape[:2]
         flat = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
-        bounds = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
+        # boundaries describe the whole (unsharded) sequences: each rank holds s = window / cp tokens
+        cp = self.pg_collection.cp
+        window = s * (cp.size() if cp is not None else 1)
+        bounds = torch.arange(0, (b + 1) * window, window, dtype=torch.int32, device=query.device)
         out = self._attend(*flat, bounds, bounds)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 

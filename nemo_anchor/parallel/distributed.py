@@ -48,13 +48,14 @@ def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234) -> Par
     install_cpu_shims()
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:  # no torchrun: a world of one, without leaving rendezvous variables for child processes
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
     world = dist.get_world_size()
     if world % context_parallel_size:
         raise ValueError(

@@ -163,7 +163,7 @@ class Trainer:
         if self.cp_group is not None:
             from nemo_anchor.parallel.context_parallel import shard_batch
 
-            batch = shard_batch(batch, self.cp_group)
+            batch = shard_batch(batch, self.cp_group, attention_type=self.config.model.attention_type)
         return {k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _loss_sum(self, batch: dict) -> torch.Tensor:
