@@ -250,6 +250,13 @@ def test_varlen_plan_prefixes_each_later_document_with_its_window_anchor():
     assert plan.kv_rows.tolist() == [0, 1, 2, 0, 3, 4, 0, 5, 6, 7, 8, 9, 9, 10, 11]
 
 
+def test_varlen_plan_after_a_bos_only_document_repeats_the_anchor_as_a_plain_key():
+    blocks = layout_blocks(torch.tensor([0, 1, 5]), None, "anchor", 5, 0, 5)
+    plan = varlen_plan(blocks, torch.device("cpu"))
+    assert plan.kv_rows.tolist() == [0, 0, 1, 2, 3, 4]
+    assert plan.cu_seqlens_q.tolist() == [0, 1, 5] and plan.cu_seqlens_k.tolist() == [0, 1, 6]
+
+
 def test_varlen_plan_without_anchors_slices_keys_without_copying():
     blocks = layout_blocks(torch.tensor([0, 3, 5, 9]), None, "intra_doc", 9, 4, 5)  # queries 4..8
     plan = varlen_plan(blocks, torch.device("cpu"))

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from nemo_anchor.analysis.probe import random_init_copy, same_weights_in
+from nemo_anchor.analysis import shift_metrics
 from nemo_anchor.analysis.shift_metrics import check_supported, fp32_score_attention, shift_differences
 from nemo_anchor.cli import main
 from nemo_anchor.evaluation.models import load_model
@@ -132,7 +133,8 @@ def test_eq5_matches_first_key_logits_from_the_model_modules(tmp_path):
 
 @pytest.mark.parametrize("window", [None, 7])
 def test_fp32_score_attention_matches_sdpa(window, monkeypatch):
-    monkeypatch.setattr("nemo_anchor.analysis.shift_metrics._QUERY_BLOCK", 16)  # several query blocks
+    monkeypatch.setitem(shift_metrics._QUERY_BLOCK, "cpu", 16)  # several query blocks
+    monkeypatch.setitem(shift_metrics._BLOCK_ELEMENTS, "cpu", 2 * 16 * 50 * 4)  # and several head blocks
     generator = torch.Generator().manual_seed(4)
     query, key, value = (torch.randn(2, heads, 50, 8, generator=generator) for heads in (6, 2, 2))
     offset = torch.arange(50)[:, None] - torch.arange(50)

@@ -35,8 +35,13 @@ from transformers import AttentionInterface
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _BATCH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
-_CHUNK_ELEMENTS = 1 << 25  # bounds the score block held at once (128 MiB in fp32)
-_QUERY_BLOCK = 256
+# Score-block size bounds (elements, queries). On the CPU small blocks win twice over (measured:
+# about 2x faster than 128 MiB blocks): they stay in cache and are reused by the allocator instead
+# of being mapped afresh (page faults). Accelerators want few, large launches.
+_BLOCK_ELEMENTS = {"cpu": 1 << 20}
+_ACCELERATOR_BLOCK_ELEMENTS = 1 << 25  # 128 MiB in fp32
+_QUERY_BLOCK = {"cpu": 64}
+_ACCELERATOR_QUERY_BLOCK = 256
 _ATTENTION_NAME = "nemo_anchor_shift_probe"
 
 # (query [B,H,T,D], key [B,Hkv,T,D], value [B,Hkv,T,D], scaling, sliding_window) -> output [B,T,H,D]
@@ -151,8 +156,10 @@ def fp32_score_attention(
     groups = num_heads // key.shape[1]
     output = torch.empty(batch, length, num_heads, head_dim, dtype=value.dtype, device=query.device)
     # Blocks of queries skip the keys the causal mask hides (about half of them) and bound memory.
-    queries_per_block = max(1, min(length, _QUERY_BLOCK, _CHUNK_ELEMENTS // (batch * length)))
-    heads_per_block = max(1, min(num_heads, _CHUNK_ELEMENTS // (batch * queries_per_block * length)))
+    budget = _BLOCK_ELEMENTS.get(query.device.type, _ACCELERATOR_BLOCK_ELEMENTS)
+    query_block = _QUERY_BLOCK.get(query.device.type, _ACCELERATOR_QUERY_BLOCK)
+    queries_per_block = max(1, min(length, query_block, budget // (batch * length)))
+    heads_per_block = max(1, min(num_heads, budget // (batch * queries_per_block * length)))
     for head_start in range(0, num_heads, heads_per_block):
         heads = slice(head_start, min(head_start + heads_per_block, num_heads))
         kv_heads = torch.arange(heads.start, heads.stop, device=query.device) // groups

@@ -4,8 +4,9 @@ The keys a block sees split into parts that need no mask: the causal diagonal (i
 against their own positions: a square, where the kernel's top-left causal mask is the right
 one), the keys before its first query (all visible: with ``q_offset``, or a BOS-only first
 document), and the anchor column (one key). The kernel runs per block and part; the anchor
-column is computed for all rows at once, in a handful of vectorised ops (many small ops per
-document cost more than the kernel on a busy machine), and merged through the log-sum-exp.
+column is computed for all rows of a window at once, in a handful of vectorised ops (many small
+ops per document cost more than the kernel on a busy machine), and merged through the
+log-sum-exp.
 
 The kernel returns its log-sum-exp without a gradient, hence this ``autograd.Function``: its
 backward runs the kernel's backward on each part with the *merged* output and log-sum-exp,
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_anchor.attention.layout import QueryBlock, per_query
+from nemo_anchor.attention.layout import QueryBlock
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -44,13 +45,22 @@ def _kernel_calls(blocks: tuple[QueryBlock, ...], q_offset: int):
             yield rows, slice(block.key_start, block.start), False
 
 
-def _anchor_columns(q, k, v, blocks, q_offset):
-    """The rows that have an anchor, and the anchor's key and value for each, GQA heads expanded (fp32)."""
-    _, anchor = per_query(blocks, q.device)
-    rows = torch.nonzero(anchor >= 0).squeeze(1)
-    group = q.shape[1] // k.shape[1]
-    keys, values = (x[anchor[rows]].float().repeat_interleave(group, 1) for x in (k, v))  # [R, Hq, D]
-    return rows, anchor[rows], keys, values
+def _anchor_runs(blocks: tuple[QueryBlock, ...], q_offset: int) -> list[tuple[slice, int]]:
+    """``(rows of q, anchor)`` for each run of consecutive blocks sharing an anchor (about one per window)."""
+    runs: list[tuple[slice, int]] = []
+    for block in blocks:
+        if block.anchor is None:
+            continue
+        start, end = block.start - q_offset, block.end - q_offset
+        if runs and runs[-1][1] == block.anchor and runs[-1][0].stop == start:
+            start = runs.pop()[0].start
+        runs.append((slice(start, end), block.anchor))
+    return runs
+
+
+def _per_query_head(x: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """``[Hkv, D]`` -> fp32 ``[Hq, D]``: query head h reads key/value head h // group."""
+    return x.float().repeat_interleave(query_heads // x.shape[0], 0)
 
 
 def _merge(out, lse, rows, part_out, part_lse):
@@ -72,10 +82,9 @@ class _BlockwiseFlashAttention(torch.autograd.Function):
                 out[rows], lse[rows] = o[0].transpose(0, 1), l[0].transpose(0, 1)
             else:
                 _merge(out, lse, rows, o[0].transpose(0, 1), l[0].transpose(0, 1))
-        rows, _, anchor_keys, anchor_values = _anchor_columns(q, k, v, blocks, q_offset)
-        if len(rows):
-            scores = torch.einsum("rhd,rhd->rh", q[rows].float(), anchor_keys) * scale
-            _merge(out, lse, rows, anchor_values, scores)
+        for rows, anchor in _anchor_runs(blocks, q_offset):
+            scores = torch.einsum("rhd,hd->rh", q[rows].float(), _per_query_head(k[anchor], q.shape[1])) * scale
+            _merge(out, lse, rows, _per_query_head(v[anchor], q.shape[1]), scores)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.blocks, ctx.q_offset, ctx.scale = blocks, q_offset, scale
         return out
@@ -94,17 +103,13 @@ class _BlockwiseFlashAttention(torch.autograd.Function):
             dq[rows] += dq_part[0].transpose(0, 1)
             dk[keys] += dk_part[0].transpose(0, 1)
             dv[keys] += dv_part[0].transpose(0, 1)
-        rows, anchors, anchor_keys, anchor_values = _anchor_columns(q, k, v, ctx.blocks, ctx.q_offset)
-        if len(rows):
+        for rows, anchor in _anchor_runs(ctx.blocks, ctx.q_offset):
+            key, value = (_per_query_head(x[anchor], q.shape[1]) for x in (k, v))
             q_rows, g = q[rows].float(), grad_out[rows].float()
-            probs = (torch.einsum("rhd,rhd->rh", q_rows, anchor_keys) * scale - lse[rows]).exp()
+            probs = (torch.einsum("rhd,hd->rh", q_rows, key) * scale - lse[rows]).exp()
             # softmax backward: dS = P * (dP - rowsum(dO * O))
-            d_scores = probs * ((g * anchor_values).sum(-1) - (g * out[rows].float()).sum(-1))
-            dq[rows] += scale * d_scores.unsqueeze(-1) * anchor_keys
-
-            def per_kv_head(x):  # [R, Hq, D] -> [R, Hkv, D], summing each group of query heads
-                return x.view(len(rows), kv_heads, -1, head_dim).sum(2)
-
-            dk.index_add_(0, anchors, per_kv_head(scale * d_scores.unsqueeze(-1) * q_rows))
-            dv.index_add_(0, anchors, per_kv_head(probs.unsqueeze(-1) * g))
+            d_scores = probs * (torch.einsum("rhd,hd->rh", g, value) - (g * out[rows].float()).sum(-1))
+            dq[rows] += scale * d_scores.unsqueeze(-1) * key
+            dk[anchor] += scale * torch.einsum("rh,rhd->hd", d_scores, q_rows).view(kv_heads, -1, head_dim).sum(1)
+            dv[anchor] += torch.einsum("rh,rhd->hd", probs, g).view(kv_heads, -1, head_dim).sum(1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None

@@ -66,7 +66,11 @@ def anchor_attention(
             by context parallelism); row i of the output is the token at ``q_offset + i``.
 
     Returns:
-        ``(Tq, Hq, D)`` in the input dtype; differentiable in q, k and v.
+        ``(Tq, Hq, D)`` in the input dtype; differentiable in q, k and v (flex: not on the CPU).
+
+    The boundaries are read on the host (one device sync per call); what a backend derives from
+    them (block lists, varlen cu_seqlens, FlexAttention block masks) is cached per layout, so the
+    layers of one step share it.
 
     Raises:
         ValueError: malformed input (shapes, dtypes, devices, boundaries, mode, backend name),

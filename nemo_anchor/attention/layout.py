@@ -119,7 +119,10 @@ class VarlenPlan:
 def varlen_plan(blocks: tuple[QueryBlock, ...], device: torch.device) -> VarlenPlan:
     q_lengths = [b.end - b.start for b in blocks]
     k_lengths = [b.end - b.key_start + (b.anchor is not None) for b in blocks]
-    if all(b.anchor is None for b in blocks):  # blocks tile [first key_start, last end)
+    tiled = blocks[0].anchor is None and all(
+        b.anchor is None and b.key_start == previous.end for previous, b in zip(blocks, blocks[1:])
+    )
+    if tiled:  # the keys of the blocks, one after the other, are k[first key_start : last end]
         kv_rows: slice | torch.Tensor = slice(blocks[0].key_start, blocks[-1].end)
     else:
         pieces = []

@@ -64,7 +64,11 @@ def _text_windows(paths: list[Path], tokenizer, num_windows: int, length: int, t
     needed = num_windows * body_length
     stream: list[int] = []
     for document in _documents(paths, text_key):
-        stream += tokenizer(document, add_special_tokens=False)["input_ids"] + separator
+        for piece in _pieces(document):
+            stream += tokenizer(piece, add_special_tokens=False)["input_ids"]
+            if len(stream) >= needed:
+                break
+        stream += separator
         if len(stream) >= needed:
             break
     if len(stream) < needed:
@@ -75,6 +79,16 @@ def _text_windows(paths: list[Path], tokenizer, num_windows: int, length: int, t
         )
     body = torch.tensor(stream[:needed], dtype=torch.int64).view(num_windows, body_length)
     return torch.cat([torch.tensor(bos, dtype=torch.int64).expand(num_windows, len(bos)), body], dim=1)
+
+
+def _pieces(document: str, size: int = 1 << 16) -> Iterator[str]:
+    """Line-aligned pieces of about ``size`` characters, so a huge file is tokenized only as far as needed."""
+    start = 0
+    while start < len(document):
+        end = document.find("\n", start + size)
+        end = len(document) if end < 0 else end + 1
+        yield document[start:end]
+        start = end
 
 
 def _documents(paths: list[Path], text_key: str) -> Iterator[str]:
