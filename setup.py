@@ -29,6 +29,7 @@ setup(
         "safetensors",
         "tensorboard",
         "pyarrow<22",
+        "wonderwords",  # RULER's own word lists for needle keys
     ],
     extras_require={
         "test": [TORCH, "pytest", "hypothesis", "pytest-timeout"],

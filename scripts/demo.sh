@@ -47,7 +47,7 @@ nemo-anchor probe --checkpoint "$RUN/train" --output "$RUN/probe" --data "$RUN/p
   --num-sequences 4 --sequence-length 512 --max-length 1024
 
 step "6/6 evaluate: RULER-style needle/variable-tracking tasks and perplexity by position"
-nemo-anchor eval --checkpoint "$RUN/train" --output "$RUN/eval" --lengths 256 1024 --num-samples 4 \
+nemo-anchor eval --checkpoint "$RUN/train" --output "$RUN/eval" --lengths 1024 --num-samples 2 --max-new-tokens 32 \
   --perplexity-data "$RUN/packed/valid" --perplexity-length 1024 --perplexity-windows 8
 
 cat <<EOF

@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the generated tasks")
     parser.add_argument("--perplexity-data", nargs="+", default=[], help="packed dataset directory or text/JSONL files")
     parser.add_argument("--perplexity-length", type=int, default=DEFAULTS.perplexity_length, help="tokens per window")
-    parser.add_argument("--perplexity-windows", type=int, default=DEFAULTS.perplexity_windows, help="windows")
+    parser.add_argument("--perplexity-windows", type=int, default=DEFAULTS.perplexity_windows, help="windows averaged")
     parser.add_argument("--perplexity-buckets", type=int, default=DEFAULTS.perplexity_buckets, help="position buckets")
     parser.add_argument("--text-key", default=DEFAULTS.text_key, help="JSONL field holding the text")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
