@@ -1,7 +1,7 @@
 """Fixed-length token windows from a packed dataset, JSONL files or plain text files."""
 from __future__ import annotations
 
-import json
+from collections import Counter
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -92,18 +92,10 @@ def _pieces(document: str, size: int = 1 << 16) -> Iterator[str]:
 
 
 def _documents(paths: list[Path], text_key: str) -> Iterator[str]:
-    for path in paths:
-        if path.suffix != ".jsonl":
-            yield path.read_text(encoding="utf-8")
-            continue
-        with path.open(encoding="utf-8") as lines:
-            for line_number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                    raise ValueError(f"{path}:{line_number}: expected an object with a string {text_key!r}")
-                yield record[text_key]
+    """Documents of JSONL / Parquet / text inputs, read by the data pipeline's readers (same errors)."""
+    from nemo_anchor.data.readers import expand_inputs, iter_records
+
+    skipped: Counter = Counter()
+    for source in expand_inputs(paths):
+        for record in iter_records(source, text_key, "error", skipped):
+            yield record.text

@@ -1,0 +1,94 @@
+"""Training throughput and peak memory per attention_type and window length, side by side.
+
+    python scripts/bench_train.py                       # 4K, 8K, 16K windows, every attention type
+    python scripts/bench_train.py --lengths 4096 --steps 3
+
+Each (attention_type, window) runs in a fresh subprocess (clean peak RSS): a small Llama-shaped
+Megatron GPT in bf16 (fp32 master weights), one packed window per step whose documents have
+seeded log-normal lengths, forward + backward + AdamW. Prints tokens/s, the ratio against
+`full` at the same window, and peak RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+KINDS = ("full", "intra_doc", "intra_doc_reset", "anchor")
+
+
+def document_boundaries(length: int, seed: int, mean_tokens: float = 600.0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sizes = []
+    while sum(sizes) < length:
+        sizes.append(max(1, int(rng.lognormal(np.log(mean_tokens), 1.0))))
+    sizes[-1] -= sum(sizes) - length
+    return np.concatenate([[0], np.cumsum([s for s in sizes if s > 0])]).astype("int32")
+
+
+def worker(args) -> dict:
+    import torch
+
+    from nemo_anchor.model.config import ModelConfig
+    from nemo_anchor.model.gpt import build_gpt_model, packed_forward
+    from nemo_anchor.parallel.distributed import initialize_parallel
+    from nemo_anchor.training.config import OptimConfig
+    from nemo_anchor.training.optim import MixedPrecisionOptimizer
+
+    initialize_parallel()
+    T, vocab = args.length, 4096
+    cfg = ModelConfig(attention_type=args.kind, seq_length=T, num_layers=4, hidden_size=256, ffn_hidden_size=640,
+                      num_attention_heads=4, num_query_groups=2)
+    model = build_gpt_model(cfg, vocab, bf16=True).bfloat16()
+    optimizer = MixedPrecisionOptimizer(model, OptimConfig(lr=1e-4))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (1, T), generator=g)
+    batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), position_ids=torch.arange(T)[None],
+                 cu_seqlens=torch.from_numpy(document_boundaries(T, seed=0)),
+                 cu_windows=torch.tensor([0, T], dtype=torch.int32))
+    times = []
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        packed_forward(model, batch).mean().backward()
+        optimizer.accumulate_gradients()
+        optimizer.step(1e-4, 1.0)
+        times.append(time.perf_counter() - start)
+    step = min(times[args.warmup:])
+    return {"kind": args.kind, "length": T, "documents": len(batch["cu_seqlens"]) - 1, "step_s": step,
+            "tokens_per_s": T / step, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    print(f"{'window':>7} {'attention_type':>16} {'docs':>5} {'step s':>8} {'tokens/s':>9} {'x full':>7} {'peak RSS MB':>12}")
+    for length in args.lengths:
+        full = None
+        for kind in args.kinds:
+            out = subprocess.run([sys.executable, __file__, "--worker", "--kind", kind, "--length", str(length),
+                                  "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                                 capture_output=True, text=True, check=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            full = row["tokens_per_s"] if kind == "full" else full
+            ratio = f"{row['tokens_per_s'] / full:.2f}" if full else "-"
+            print(f"{length:>7} {kind:>16} {row['documents']:>5} {row['step_s']:>8.3f} {row['tokens_per_s']:>9.0f} "
+                  f"{ratio:>7} {row['peak_rss_mb']:>12.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
