@@ -65,7 +65,10 @@ def _per_query_head(x: torch.Tensor, query_heads: int) -> torch.Tensor:
 
 def _merge(out, lse, rows, part_out, part_lse):
     """Fold a partial attention result over other keys into ``out``/``lse`` at ``rows``."""
-    merged = torch.logaddexp(lse[rows], part_lse)
+    a, b = lse[rows], part_lse
+    # logaddexp written out: torch.logaddexp rounds differently with tensor size, which would make
+    # results depend on the head count and break bitwise context parallelism (a2a splits heads)
+    merged = torch.maximum(a, b) + torch.log1p(torch.exp(-(a - b).abs()))
     out[rows] = (out[rows].float() * (lse[rows] - merged).exp().unsqueeze(-1)
                  + part_out.float() * (part_lse - merged).exp().unsqueeze(-1)).to(out.dtype)
     lse[rows] = merged
