@@ -1,7 +1,7 @@
 """The one place where Megatron-Core 0.16.1 is taught to run without CUDA.
 
-Megatron assumes a GPU in a handful of spots that matter for training on the CPU (measured, see
-DEVELOPERS.md). Each shim below replaces exactly one of them with its CPU equivalent and is
+Megatron assumes a GPU in a handful of spots that matter for training on the CPU (each found by
+running our tests on a CPU-only machine). Each shim below replaces exactly one of them with its CPU equivalent and is
 installed only when ``torch.cuda.is_available()`` is False, so GPU runs use Megatron untouched.
 
 - RNG tracker: ``CudaRNGStatesTracker`` and activation recompute save/restore CUDA RNG state;
