@@ -15,7 +15,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["nemo_anchor", "nemo_anchor.*"]),
-    package_data={"nemo_anchor": ["configs/*.yaml"]},
     install_requires=[
         TORCH,
         "megatron-core==0.16.1",
