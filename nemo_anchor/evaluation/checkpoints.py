@@ -1,36 +1,24 @@
 """The checkpoints of a training run, for averaging evaluations over the last K (paper, Section 4.2).
 
-Assumed layout (Megatron's naming, written by ``nemo-anchor train``)::
-
-    OUTPUT_DIR/checkpoints/iter_0000100/
-    OUTPUT_DIR/checkpoints/iter_0000110/
-    ...
-
-Each ``iter_<N>`` directory is one checkpoint, loadable by
-``nemo_anchor.export.inference.load_hf_model``; other entries (for example Megatron's
-``latest_checkpointed_iteration.txt``) are ignored.
+The layout is the trainer's (``nemo_anchor.training.checkpoint``): ``OUTPUT_DIR/checkpoints/iter_NNNNNNN/``,
+one directory per saved step, each loadable by ``nemo_anchor.export.inference.load_hf_model``.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
-
-_ITERATION_DIR = re.compile(r"iter_(\d+)")
 
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """``(iteration, directory)`` of every checkpoint of a training run, oldest first."""
+    from nemo_anchor.training.checkpoint import checkpoint_step, list_checkpoints as saved_checkpoints
+
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         raise ValueError(f"{output_dir} is not a training output_dir: {root} does not exist")
-    found = []
-    for entry in root.iterdir():
-        match = _ITERATION_DIR.fullmatch(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
+    found = saved_checkpoints(root)
     if not found:
-        raise ValueError(f"no iter_<N> checkpoint directories in {root}")
-    return sorted(found)
+        raise ValueError(f"no iter_NNNNNNN checkpoint directories in {root}")
+    return [(checkpoint_step(path), path) for path in found]
 
 
 def last_checkpoints(output_dir: str | Path, count: int) -> list[tuple[int, Path]]:
