@@ -1,21 +1,21 @@
 """The checkpoints of a training run, for averaging evaluations over the last K (paper, Section 4.2).
 
-The layout is the trainer's (``nemo_anchor.training.checkpoint``): ``OUTPUT_DIR/checkpoints/iter_NNNNNNN/``,
+The layout is the trainer's (``nemo_anchor.run_dir``): ``OUTPUT_DIR/checkpoints/iter_NNNNNNN/``,
 one directory per saved step, each loadable by ``nemo_anchor.export.inference.load_hf_model``.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from nemo_anchor.run_dir import RunDir, checkpoint_step
+
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """``(iteration, directory)`` of every checkpoint of a training run, oldest first."""
-    from nemo_anchor.training.checkpoint import checkpoint_step, list_checkpoints as saved_checkpoints
-
-    root = Path(output_dir) / "checkpoints"
+    root = RunDir(output_dir).checkpoints
     if not root.is_dir():
         raise ValueError(f"{output_dir} is not a training output_dir: {root} does not exist")
-    found = saved_checkpoints(root)
+    found = RunDir(output_dir).list_checkpoints()
     if not found:
         raise ValueError(f"no iter_NNNNNNN checkpoint directories in {root}")
     return [(checkpoint_step(path), path) for path in found]

@@ -84,7 +84,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrit
     from megatron.core import dist_checkpointing
     from omegaconf import OmegaConf
 
-    from nemo_anchor.training.checkpoint import LATEST_FILE, iter_dir_name
+    from nemo_anchor.run_dir import RunDir
 
     with atomic_directory(out_dir, overwrite=overwrite) as staging:
         ckpt = read_checkpoint(hf_dir)
@@ -94,15 +94,16 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrit
         model = build_model(ckpt.config, ckpt.vocab_size)
         load_into_model(model, ckpt.state, source=str(ckpt.path))
         run_config = OmegaConf.to_yaml({"model": dataclasses.asdict(ckpt.config)})
-        (staging / "config.yaml").write_text(run_config)
-        iteration = staging / "checkpoints" / iter_dir_name(0)
+        run = RunDir(staging)
+        run.config.write_text(run_config)
+        iteration = run.checkpoint(0)
         iteration.mkdir(parents=True)
         dist_checkpointing.save({"model": model.sharded_state_dict(prefix="model.")}, str(iteration))
         (iteration / "config.yaml").write_text(run_config)
-        (staging / "checkpoints" / LATEST_FILE).write_text("0")
+        run.latest_file.write_text("0")
         tokenizer = load_tokenizer(ckpt)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging / "tokenizer")
+            tokenizer.save_pretrained(run.tokenizer)
     return Path(out_dir)
 
 

@@ -6,7 +6,7 @@ Accepted, told apart by their files:
 - a NeMo 2 checkpoint (``weights/`` written by ``dist_checkpointing``, ``context/model.yaml``
   for the config, ``context/nemo_tokenizer/`` for HF tokenizer files when NeMo used one);
 - a nemo-anchor training ``output_dir`` (its latest checkpoint) or one ``iter_NNNNNNN``
-  checkpoint directory (``nemo_anchor.training.checkpoint`` layout).
+  checkpoint directory (``nemo_anchor.run_dir`` layout).
 
 Dist checkpoints are read tensor by tensor from their metadata, without building a model,
 so NeMo's Transformer-Engine parameter names need no TE here.
@@ -111,7 +111,7 @@ def _nemo2_tokenizer_dir(context: Path, tokenizer: Optional[dict]) -> Optional[P
 
 
 def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
-    from nemo_anchor.training.checkpoint import read_run_config, resolve_checkpoint
+    from nemo_anchor.run_dir import read_run_config, resolve_checkpoint, run_dir_of
 
     ckpt_dir = resolve_checkpoint(path)
     source = ckpt_dir / "config.yaml"
@@ -123,7 +123,7 @@ def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
     tensors = read_dist_checkpoint(ckpt_dir, prefix="model.")
     state = canonical_state(tensors, config.num_layers, source=str(ckpt_dir))
     # layout: OUTPUT_DIR/checkpoints/iter_NNNNNNN, tokenizer in OUTPUT_DIR/tokenizer
-    return _checked(ckpt_dir, NEMO_ANCHOR, config, state, find_tokenizer_dir(ckpt_dir.parent.parent / "tokenizer"))
+    return _checked(ckpt_dir, NEMO_ANCHOR, config, state, find_tokenizer_dir(run_dir_of(ckpt_dir).tokenizer))
 
 
 def _checked(path, kind, config, state, tokenizer_dir) -> LoadedCheckpoint:

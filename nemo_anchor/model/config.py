@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from nemo_anchor.model.attention_types import attention_type_names
+from nemo_anchor.attention.paradigms import attention_type_names
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_SCALINGS = ("none", "yarn", "ntk")

@@ -22,7 +22,7 @@ from nemo_anchor.model.spec import get_layer_spec
 class AnchorTransformerConfig(TransformerConfig):
     """Megatron's config plus the fields our layers and YaRN read."""
 
-    anchor_attention_type: str = "anchor"  # nemo_anchor.model.attention_types name; fixes mask and RoPE restarts
+    anchor_attention_type: str = "anchor"  # nemo_anchor.attention.paradigms name; fixes mask and RoPE restarts
     rope_in_fp32: bool = False
     yarn_rotary_scaling_factor: float = 1.0
     yarn_original_max_position_embeddings: int = 4096

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from nemo_anchor.model.attention_types import get_attention_type
+from nemo_anchor.attention.paradigms import get_attention_type
 
 
 @dataclass

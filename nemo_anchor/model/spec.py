@@ -10,7 +10,7 @@ import copy
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from nemo_anchor.model.attention_types import get_attention_type
+from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.core_attention import AnchorCoreAttention
 
 

@@ -15,7 +15,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_anchor import gpu
-from nemo_anchor.model.attention_types import get_attention_type
+from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.gpt import packed_forward
 from nemo_anchor.model.rope import install_rope_precision_hook
 from nemo_anchor.model.spec import get_layer_spec

@@ -26,7 +26,7 @@ import torch
 
 from nemo_anchor.attention import anchor_attention
 from nemo_anchor.attention.layout import boundaries
-from nemo_anchor.model.attention_types import get_attention_type
+from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.parallel.collectives import all_gather, all_to_all
 from nemo_anchor.parallel.load_balance import check_windows, rank_chunks, rank_major_order, rank_positions
 

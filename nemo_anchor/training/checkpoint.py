@@ -1,12 +1,6 @@
 """Training checkpoints with Megatron ``dist_checkpointing``, written atomically.
 
-Layout of a training ``output_dir``::
-
-    config.yaml                      effective run config
-    tokenizer/                       HF tokenizer files (AutoTokenizer loads them offline)
-    checkpoints/iter_0000100/        one dist_checkpointing directory per saved step
-        config.yaml                  the run config again, so the directory stands alone
-    checkpoints/latest_checkpointed_iteration.txt
+The layout of the run directory is :mod:`nemo_anchor.run_dir`'s.
 
 A checkpoint is saved into ``checkpoints/.tmp.iter_*`` and renamed when every rank has
 finished, so a ``kill -9`` at any moment leaves the previous complete checkpoint loadable.
@@ -17,7 +11,6 @@ are replicated across data-parallel ranks and saved once; RNG state is saved per
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -25,59 +18,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from omegaconf import OmegaConf
 
-ITER_PATTERN = re.compile(r"^iter_(\d{7})$")
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-
-
-def iter_dir_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-def list_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoint directories under ``checkpoints_dir``, oldest first."""
-    root = Path(checkpoints_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and ITER_PATTERN.match(p.name)]
-    return sorted(found, key=lambda p: int(ITER_PATTERN.match(p.name).group(1)))
-
-
-def checkpoint_step(ckpt_dir: str | os.PathLike) -> int:
-    match = ITER_PATTERN.match(Path(ckpt_dir).name)
-    if not match:
-        raise ValueError(f"not a checkpoint directory name (iter_NNNNNNN): {ckpt_dir}")
-    return int(match.group(1))
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A training output_dir -> its latest checkpoint; a checkpoint directory -> itself."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
-    if ITER_PATTERN.match(path.name) and (path / "metadata.json").is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        found = list_checkpoints(root)
-        if found:
-            return found[-1]
-    raise FileNotFoundError(
-        f"no checkpoint under {path}: expected an output_dir with checkpoints/iter_NNNNNNN/ or a "
-        f"checkpoint directory iter_NNNNNNN containing metadata.json")
+from nemo_anchor.run_dir import LATEST_FILE, checkpoint_step, iter_dir_name, list_checkpoints, resolve_checkpoint  # noqa: F401
 
 
 def has_training_state(ckpt_dir: str | os.PathLike) -> bool:
     """False for a weights-only checkpoint (``import-hf`` output): start from it, do not resume it."""
     return "extra" in (dist_checkpointing.load_common_state_dict(str(ckpt_dir)) or {})
-
-
-def read_run_config(ckpt_dir: str | os.PathLike):
-    """The run config saved with a checkpoint (OmegaConf DictConfig)."""
-    path = Path(ckpt_dir) / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {ckpt_dir} has no config.yaml")
-    return OmegaConf.load(path)
 
 
 def _rank() -> int:
