@@ -4,8 +4,8 @@
     python scripts/bench_train.py --lengths 4096 --steps 3
 
 Each (attention_type, window) runs in a fresh subprocess (clean peak RSS): a small Llama-shaped
-Megatron GPT in bf16 (fp32 master weights), one packed window per step whose documents have
-seeded log-normal lengths, forward + backward + AdamW. Prints tokens/s, the ratio against
+Megatron GPT in bf16 through the trainer's engine (Megatron DDP, fp32 master weights, Megatron
+AdamW), one packed window per step whose documents have seeded log-normal lengths. Prints tokens/s, the ratio against
 `full` at the same window, and peak RSS.
 """
 from __future__ import annotations
@@ -35,28 +35,25 @@ def worker(args) -> dict:
     import torch
 
     from nemo_anchor.model.config import ModelConfig
-    from nemo_anchor.model.gpt import build_gpt_model, packed_forward
     from nemo_anchor.parallel.distributed import initialize_parallel
-    from nemo_anchor.training.config import OptimConfig
-    from nemo_anchor.training.optim import MixedPrecisionOptimizer
+    from nemo_anchor.training.config import RunConfig, TrainerConfig
+    from nemo_anchor.training.engine import build_engine, train_step
 
-    initialize_parallel()
     T, vocab = args.length, 4096
-    cfg = ModelConfig(attention_type=args.kind, seq_length=T, num_layers=4, hidden_size=256, ffn_hidden_size=640,
-                      num_attention_heads=4, num_query_groups=2)
-    model = build_gpt_model(cfg, vocab, bf16=True).bfloat16()
-    optimizer = MixedPrecisionOptimizer(model, OptimConfig(lr=1e-4))
+    config = RunConfig(
+        model=ModelConfig(attention_type=args.kind, seq_length=T, num_layers=4, hidden_size=256, ffn_hidden_size=640,
+                          num_attention_heads=4, num_query_groups=2),
+        trainer=TrainerConfig(precision="bf16", global_batch_size=1, micro_batch_size=1))
+    engine = build_engine(config, initialize_parallel(), vocab)  # the trainer's own engine: DDP + Megatron AdamW
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, T), generator=g)
-    batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), position_ids=torch.arange(T)[None],
+    batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T), position_ids=torch.arange(T)[None],
                  cu_seqlens=torch.from_numpy(document_boundaries(T, seed=0)),
                  cu_windows=torch.tensor([0, T], dtype=torch.int32))
     times = []
     for _ in range(args.warmup + args.steps):
         start = time.perf_counter()
-        packed_forward(model, batch).mean().backward()
-        optimizer.accumulate_gradients()
-        optimizer.step(1e-4, 1.0)
+        train_step(engine, config, [batch])
         times.append(time.perf_counter() - start)
     step = min(times[args.warmup:])
     return {"kind": args.kind, "length": T, "documents": len(batch["cu_seqlens"]) - 1, "step_s": step,

@@ -176,7 +176,7 @@ def test_bad_context_parallel_inputs_fail_before_communicating(comm_type):
 def test_world_size_not_divisible_by_cp_is_refused():
     from nemo_anchor.parallel.distributed import initialize_parallel
 
-    with pytest.raises(ValueError, match="context_parallel_size=2 must divide the world size 1"):
+    with pytest.raises(ValueError, match=r"model.context_parallel_size=2 = 2 must divide the number of processes \(1\)"):
         initialize_parallel(context_parallel_size=2)
 
 

@@ -1,5 +1,4 @@
 """WindowSampler (resume, data parallelism) and collate_windows / PackedDataset serving."""
-import itertools
 import json
 import pickle
 
@@ -7,56 +6,58 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_anchor.data import PackedDataset, PackOptions, WindowSampler, collate_windows, pack
-
-
-def take(iterator, count):
-    return list(itertools.islice(iterator, count))
+from nemo_anchor.data import PackedDataset, PackOptions, WindowSampler, collate_windows, pack, rank_microbatches
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_resume_sees_exactly_the_windows_of_the_uninterrupted_run(shuffle):
-    micro_batch, accumulation, steps = 3, 2, 9  # 54 windows: crosses epochs of 17 windows per rank
-    reference = WindowSampler(35, rank=1, world_size=2, seed=5, shuffle=shuffle)
-    stream = iter(reference)
-    uninterrupted = [take(stream, micro_batch) for _ in range(steps * accumulation)]
+    global_batch, steps = 6, 9  # 54 windows: crosses epochs of 17 windows
+    reference = WindowSampler(17, seed=5, shuffle=shuffle)
+    uninterrupted = [reference.next_global_batch(global_batch) for _ in range(steps)]
 
-    sampler = WindowSampler(35, rank=1, world_size=2, seed=5, shuffle=shuffle)
-    stream = iter(sampler)
-    seen = [take(stream, micro_batch) for _ in range(4 * accumulation)]
+    sampler = WindowSampler(17, seed=5, shuffle=shuffle)
+    seen = [sampler.next_global_batch(global_batch) for _ in range(4)]
     state = json.loads(json.dumps(sampler.state_dict()))  # checkpoints store plain data
-    assert state["consumed"] == 4 * accumulation * micro_batch
+    assert state["consumed"] == 4 * global_batch
 
-    resumed = WindowSampler(35, rank=1, world_size=2, seed=5, shuffle=shuffle)
+    resumed = WindowSampler(17, seed=5, shuffle=shuffle)
     resumed.load_state_dict(state)
-    stream = iter(resumed)
-    seen += [take(stream, micro_batch) for _ in range((steps - 4) * accumulation)]
+    seen += [resumed.next_global_batch(global_batch) for _ in range(steps - 4)]
     assert seen == uninterrupted
     assert resumed.epoch == 54 // 17
+    stream = [w for batch in uninterrupted for w in batch]
+    for epoch in range(3):  # every epoch is a permutation of all windows
+        assert sorted(stream[epoch * 17:(epoch + 1) * 17]) == list(range(17))
 
 
-def test_ranks_partition_each_epoch_and_epochs_reshuffle():
-    samplers = [WindowSampler(23, rank=rank, world_size=4, seed=1) for rank in range(4)]
-    streams = [iter(sampler) for sampler in samplers]
+def test_epochs_follow_the_seeded_permutation_and_reshuffle():
+    sampler = WindowSampler(23, seed=1)
     for epoch in range(3):
-        per_rank = [take(stream, 5) for stream in streams]  # 23 // 4 = 5 each, 3 dropped
-        flat = sum(per_rank, [])
-        assert len(set(flat)) == 20 and set(flat) <= set(range(23))
-        order = np.random.default_rng([1, epoch]).permutation(23)[:20]
-        assert sorted(flat) == sorted(order.tolist())
-    assert samplers[0].epoch_windows(0).tolist() != samplers[0].epoch_windows(1).tolist()
+        expected = np.random.default_rng([1, epoch]).permutation(23).tolist()
+        assert sampler.next_global_batch(23) == expected
+    assert sampler.epoch_windows(0).tolist() != sampler.epoch_windows(1).tolist()
     assert WindowSampler(6, shuffle=False).epoch_windows(4).tolist() == list(range(6))
-    assert WindowSampler(7, rank=2, world_size=3, shuffle=False).epoch_windows(0).tolist() == [2, 5]
+
+
+@pytest.mark.parametrize("data_parallel_size, micro_batch", [(1, 8), (2, 2), (4, 1), (2, 4)])
+def test_ranks_split_the_global_batch_whatever_the_layout(data_parallel_size, micro_batch):
+    batch = WindowSampler(40, seed=3).next_global_batch(8)
+    per_rank = [rank_microbatches(batch, micro_batch, rank, data_parallel_size) for rank in range(data_parallel_size)]
+    assert all(len(mb) == micro_batch for rank in per_rank for mb in rank)
+    flat = [w for rank in per_rank for mb in rank for w in mb]
+    assert sorted(flat) == sorted(batch)  # every window of the step once, on exactly one rank
 
 
 def test_sampler_rejects_bad_configuration_and_foreign_state():
-    with pytest.raises(ValueError, match="cannot be shared by 4"):
-        WindowSampler(3, world_size=4)
-    with pytest.raises(ValueError, match="rank 2 is not in a world of size 2"):
-        WindowSampler(10, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="0 windows"):
+        WindowSampler(0)
+    with pytest.raises(ValueError, match="not a multiple of micro_batch_size x data-parallel size = 3 x 2"):
+        rank_microbatches(list(range(8)), 3, 0, 2)
     state = WindowSampler(10, seed=1).state_dict()
     with pytest.raises(ValueError, match="seed=1"):
         WindowSampler(10, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_windows=10"):
+        WindowSampler(11, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="consumed"):
         WindowSampler(10, seed=1).load_state_dict({**state, "consumed": -1})
 
@@ -92,7 +93,7 @@ def test_dataset_pickles_by_path_and_feeds_a_dataloader(dataset):
     assert len(pickle.dumps(dataset)) < 1000  # the windows are reopened, not copied
     assert all(torch.equal(clone[-1][key], dataset[len(dataset) - 1][key]) for key in dataset[0])
     sampler = WindowSampler(len(dataset), seed=0)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=itertools.islice(iter(sampler), 4),
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler.next_global_batch(4),
                                          collate_fn=collate_windows)
     batches = list(loader)
     assert [b["tokens"].shape for b in batches] == [(2, dataset.seq_length)] * 2

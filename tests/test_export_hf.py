@@ -78,20 +78,34 @@ def test_round_trip_hf_ours_hf_keeps_logits(tmp_path, arch):
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # staging directories renamed away
 
 
-def _training_checkpoint(output_dir, model_cfg: ModelConfig, seed=0):
-    """A Megatron model saved by the trainer's own checkpoint writer, with the tokenizer beside it."""
+def _training_checkpoint(output_dir, model_cfg: ModelConfig, seed=0, precision="fp32"):
+    """A Megatron model saved by the trainer's own engine and checkpoint writer, with the tokenizer beside it."""
+    from nemo_anchor.parallel.distributed import initialize_parallel
+    from nemo_anchor.run_dir import RunDir
     from nemo_anchor.training.checkpoint import save_checkpoint
-    from nemo_anchor.training.config import RunConfig, to_yaml
+    from nemo_anchor.training.config import OptimConfig, RunConfig, TrainerConfig, to_yaml
+    from nemo_anchor.training.engine import build_engine
 
-    torch.manual_seed(seed)
-    model = build_model(model_cfg, VOCAB)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)
-    yaml = to_yaml(RunConfig(output_dir=str(output_dir), model=model_cfg))
-    save_checkpoint(output_dir, 7, model, {"step": 7}, yaml, keep_last=1)
+    def random_weights(gpt):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for param in gpt.parameters():
+                param.normal_(0.0, 0.2)
+
+    config = RunConfig(output_dir=str(output_dir), model=model_cfg, trainer=TrainerConfig(precision=precision),
+                       optim=OptimConfig(weight_decay=0.0))
+    engine = build_engine(config, initialize_parallel(), VOCAB, initialize=random_weights)
+    engine.model.zero_grad_buffer()  # one step on zero gradients creates Adam's state and moves no weight
+    engine.optimizer.step()
+    save_checkpoint(RunDir(output_dir), 7, engine, {"step": 7}, to_yaml(config), keep_last=1)
     byte_tokenizer().save(output_dir / "tokenizer")
-    return model.eval()
+    reference = build_model(model_cfg, VOCAB)  # the weights the checkpoint must hold, as fp32
+    random_weights(reference)
+    if precision == "bf16":  # the masters start from the bf16 parameters the weights were loaded into
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.copy_(param.bfloat16().float())
+    return reference.eval()
 
 
 TRAINED = {
@@ -138,15 +152,17 @@ def test_training_checkpoint_exports_to_transformers(tmp_path, name):
 
 
 def test_bfloat16_export_and_inference(tmp_path):
-    megatron = _training_checkpoint(tmp_path / "run", TRAINED["llama-gqa"])
+    megatron = _training_checkpoint(tmp_path / "run", TRAINED["llama-gqa"], precision="bf16")
+    tokens = sample_tokens()
+    with torch.no_grad():  # a bf16 run's checkpoint is read back as fp32 (the optimizer's masters)
+        reference = megatron(input_ids=tokens, position_ids=torch.arange(40).expand_as(tokens), attention_mask=None)
+        assert (load_checkpoint(tmp_path / "run")(tokens) - reference).abs().max() <= 1e-4
     exported = export_hf(tmp_path / "run", tmp_path / "hf", dtype=torch.bfloat16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype="auto")
     assert hf.dtype == torch.bfloat16  # from config.json
     with safe_open(exported / "model.safetensors", "pt") as weights:
         assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
-    tokens = sample_tokens()
     with torch.no_grad():
-        reference = megatron(input_ids=tokens, position_ids=torch.arange(40).expand_as(tokens), attention_mask=None)
         logits = load_checkpoint(tmp_path / "run", dtype=torch.bfloat16)(tokens)
     assert logits.dtype == torch.float32
     assert (logits - reference).abs().max() <= 0.1 * reference.abs().max()

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from nemo_anchor.cli import main as cli
-from nemo_anchor.training import checkpoint as ckpt
+from nemo_anchor.run_dir import RunDir, checkpoint_step, resolve_checkpoint
+from nemo_anchor.training.loop import EXIT_INTERRUPTED
 from nemo_anchor.training.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,8 +76,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, packed):
     record = json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[0])
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(record)
     assert (tmp_path / "straight" / "tensorboard").is_dir()
-    saved = ckpt.list_checkpoints(tmp_path / "straight" / "checkpoints")
-    assert [ckpt.checkpoint_step(p) for p in saved] == [3, 6]  # keep_last=2
+    saved = RunDir(tmp_path / "straight").list_checkpoints()
+    assert [checkpoint_step(p) for p in saved] == [3, 6]  # keep_last=2
     assert load_config(tmp_path / "straight" / "config.yaml").model.vocab_size > 256
 
 
@@ -110,9 +111,11 @@ def test_kill_and_sigterm_leave_a_loadable_checkpoint(tmp_path, packed):
     (out / "checkpoints" / ".tmp.iter_9999999").mkdir()  # what a kill during a save leaves behind
     killed_at = max(_losses(out))
     proc = run_until(killed_at + 3, signal.SIGTERM)
-    assert proc.returncode == 0, proc.stderr.read().decode()[-2000:]
-    latest = ckpt.resolve_checkpoint(out)
-    assert ckpt.checkpoint_step(latest) == max(_losses(out))  # SIGTERM saved the step it finished
+    assert proc.returncode == EXIT_INTERRUPTED, proc.stderr.read().decode()[-2000:]
+    latest = resolve_checkpoint(out)
+    assert checkpoint_step(latest) == max(_losses(out))  # SIGTERM saved the step it finished
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) == list(range(1, max(steps) + 1))  # replayed steps logged once
 
 
 @pytest.mark.parametrize("override,message", [
@@ -121,7 +124,11 @@ def test_kill_and_sigterm_leave_a_loadable_checkpoint(tmp_path, packed):
     ("trainer.precision=fp8", "trainer.precision"),
     ("trainer.max_steps=ten", "max_steps"),
     ("model.seq_length=63", "model.seq_length"),
-    ("optim.schedule=linear", "optim.schedule"),
+    ("optim.schedule=exponential", "optim.schedule"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps"),
+    ("model.tensor_model_parallel_size=3", "model.num_attention_heads"),
+    ("model.pipeline_model_parallel_size=3", "model.num_layers"),
+    ("model.recompute_num_layers=1", "model.recompute_num_layers"),
 ])
 def test_bad_config_names_the_key(tmp_path, packed, override, message):
     path, _ = _config(tmp_path, packed)

@@ -6,7 +6,7 @@ what the loss mask masks and why, and the options of ``nemo-anchor pack``.
 from nemo_anchor.data.dataset import PackedDataset, collate_windows
 from nemo_anchor.data.nemo_format import read_nemo_packed, write_nemo_packed
 from nemo_anchor.data.pipeline import PackOptions, pack
-from nemo_anchor.data.sampler import WindowSampler
+from nemo_anchor.data.sampler import WindowSampler, rank_microbatches
 from nemo_anchor.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe_tokenizer
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "PackedDataset",
     "Tokenizer",
     "WindowSampler",
+    "rank_microbatches",
     "byte_tokenizer",
     "collate_windows",
     "load_tokenizer",

@@ -1,67 +1,78 @@
-"""A deterministic, resumable, data-parallel window sampler."""
+"""A deterministic, resumable window sampler whose state does not depend on the parallel layout."""
 from __future__ import annotations
-
-from typing import Iterator
 
 import numpy as np
 
 
 class WindowSampler:
-    """Endless stream of window indices for one data-parallel rank, epoch after epoch.
+    """The windows of every global batch, for any number of data-parallel ranks.
 
-    Epoch e is a permutation of ``range(num_windows)`` seeded by ``(seed, e)`` (identity when
-    ``shuffle`` is False); its first ``num_windows - num_windows % world_size`` entries are dealt
-    round-robin to the ranks, so ranks never share a window within an epoch and every rank sees
-    the same number. The remainder is dropped; with shuffling, different windows each epoch.
-
-    The state is the number of windows this rank has consumed: iterating yields windows from
-    there on and counts them; ``load_state_dict(state_dict())`` resumes exactly. Iterate only as
-    far as the trainer uses (e.g. ``micro_batch_size`` windows per micro-batch, gradient accumulation
-    included); a prefetching loader that runs ahead must save its own consumed count instead.
+    The training stream is epoch after epoch of all windows, epoch e a permutation of
+    ``range(num_windows)`` seeded by ``(seed, e)`` (identity when ``shuffle`` is False). Each
+    optimizer step takes the next ``global_batch_size`` windows of the stream
+    (:meth:`next_global_batch`); data-parallel rank r of d takes its micro-batches from it with
+    :func:`rank_microbatches`. The state is the number of windows the whole run has consumed, so a
+    run resumed with another data-parallel size (or micro-batch size) trains on exactly the windows
+    the uninterrupted run would have.
 
     Raises:
-        ValueError: fewer windows than ranks, a bad rank, or a state from another configuration.
+        ValueError: no windows, or a state from another dataset or seed.
     """
 
-    def __init__(self, num_windows: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
-        if num_windows < world_size:
-            raise ValueError(f"{num_windows} windows cannot be shared by {world_size} data-parallel ranks")
-        self.num_windows, self.rank, self.world_size = num_windows, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
+    def __init__(self, num_windows: int, *, seed: int = 0, shuffle: bool = True):
+        if num_windows < 1:
+            raise ValueError(f"cannot sample from {num_windows} windows")
+        self.num_windows, self.seed, self.shuffle = num_windows, seed, shuffle
         self.consumed = 0
-
-    def __len__(self) -> int:
-        """Windows per epoch on this rank."""
-        return self.num_windows // self.world_size
+        self._cached: tuple[int, np.ndarray] | None = None
 
     @property
     def epoch(self) -> int:
-        return self.consumed // len(self)
+        return self.consumed // self.num_windows
 
     def epoch_windows(self, epoch: int) -> np.ndarray:
-        """int64 ``[len(self)]``: this rank's windows of ``epoch``, in order."""
-        order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_windows) if self.shuffle
-                 else np.arange(self.num_windows))
-        return order[: len(self) * self.world_size][self.rank::self.world_size]
+        """int64 ``[num_windows]``: the windows of ``epoch`` in stream order."""
+        if self._cached is None or self._cached[0] != epoch:
+            order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_windows) if self.shuffle
+                     else np.arange(self.num_windows))
+            self._cached = (epoch, order)
+        return self._cached[1]
 
-    def __iter__(self) -> Iterator[int]:
-        while True:
-            epoch, position = divmod(self.consumed, len(self))
-            for window in self.epoch_windows(epoch)[position:]:
-                self.consumed += 1
-                yield int(window)
+    def next_global_batch(self, global_batch_size: int) -> list[int]:
+        """The next ``global_batch_size`` windows of the stream (crossing epochs as needed)."""
+        batch = []
+        while len(batch) < global_batch_size:
+            epoch, position = divmod(self.consumed, self.num_windows)
+            taken = self.epoch_windows(epoch)[position:position + global_batch_size - len(batch)]
+            batch.extend(int(w) for w in taken)
+            self.consumed += len(taken)
+        return batch
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "num_windows": self.num_windows, "world_size": self.world_size,
-                "seed": self.seed, "shuffle": self.shuffle}
+        return {"consumed": self.consumed, "num_windows": self.num_windows, "seed": self.seed,
+                "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("num_windows", "world_size", "seed", "shuffle"):
+        for key in ("num_windows", "seed", "shuffle"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state.get(key)!r}, this sampler has {getattr(self, key)!r}")
         consumed = state.get("consumed")
         if not isinstance(consumed, int) or consumed < 0:
             raise ValueError(f"sampler state has consumed={consumed!r}, expected a non-negative int")
         self.consumed = consumed
+
+
+def rank_microbatches(global_batch: list[int], micro_batch_size: int, data_parallel_rank: int,
+                      data_parallel_size: int) -> list[list[int]]:
+    """Rank r's micro-batches of a global batch: micro-batch m holds windows ``(m * d + r) * mb ...``.
+
+    Raises:
+        ValueError: the global batch is not a multiple of ``micro_batch_size x data_parallel_size``.
+    """
+    per_round = micro_batch_size * data_parallel_size
+    if len(global_batch) % per_round:
+        raise ValueError(f"a global batch of {len(global_batch)} windows is not a multiple of micro_batch_size x "
+                         f"data-parallel size = {micro_batch_size} x {data_parallel_size}")
+    return [global_batch[start + data_parallel_rank * micro_batch_size:
+                         start + (data_parallel_rank + 1) * micro_batch_size]
+            for start in range(0, len(global_batch), per_round)]

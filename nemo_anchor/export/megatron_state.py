@@ -114,26 +114,48 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig
 
 
 def load_into_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, source: str) -> None:
-    """Copy a checked canonical state into a Megatron ``GPTModel`` of either spec (strict)."""
-    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
-    renamed = {}
-    for key, value in state.items():
-        layer = _LAYER_KEY.match(key)
-        if layer is not None and key not in own:  # the model uses TE's spelling
-            index, rest = layer.groups()
-            key = f"decoder.layers.{index}.{_LOCAL_TO_TE.get(rest, rest)}"
-        if key in own:
-            renamed[key] = value
-        elif key != "output_layer.weight":  # tied models own no separate output layer
-            raise ValueError(f"{source}: the model has no parameter {key}")
-    missing = sorted(own - set(renamed))
-    if missing:
-        raise ValueError(f"{source}: no weights for {missing[:4]}")
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k in own}
-    for key, value in renamed.items():
-        if tuple(value.shape) != shapes[key]:
-            raise ValueError(f"{source}: {key} has shape {tuple(value.shape)}, the model's is {shapes[key]}")
-    model.load_state_dict(renamed, strict=False)
+    """Copy a checked canonical state into a Megatron ``GPTModel``: this rank's shard of it.
+
+    Works for either spec and any tensor/pipeline split: each tensor of the model's own
+    ``sharded_state_dict()`` names its global tensor (checkpoint spelling, layer index as a
+    prepended axis) and the slice of it this rank holds, which is copied from ``state``.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    filled = set()
+    with torch.no_grad():
+        for value in model.sharded_state_dict().values():
+            if isinstance(value, ShardedTensorFactory):
+                parts = value.build()  # e.g. SwiGLU's fc1: gate and up, views into the parameter
+                parts = parts if isinstance(parts, (list, tuple)) else [parts]
+            elif isinstance(value, ShardedTensor):
+                parts = [value]
+            else:  # _extra_state and other non-tensor entries
+                continue
+            for part in parts:
+                index = part.global_slice()
+                layers, within = index[:part.prepend_axis_num], index[part.prepend_axis_num:]
+                if len(layers) > 1:
+                    raise ValueError(f"{source}: {part.key} has {len(layers)} prepended axes; expected at most "
+                                     f"the layer index")
+                name = _local_name(_STACKED_LAYER_KEY.sub(rf"decoder.layers.{layers[0]}.\1", part.key)
+                                   if layers else part.key)
+                if name not in state:
+                    raise ValueError(f"{source}: no weights for {name}")
+                full = state[name]
+                if tuple(full[within].shape) != tuple(part.data.shape):
+                    raise ValueError(f"{source}: {name} has shape {tuple(full.shape)}, which does not hold "
+                                     f"this model's slice {within} of shape {tuple(part.data.shape)}")
+                part.data.copy_(full[within])
+                filled.add(name)
+    unused = sorted(set(state) - filled - {"output_layer.weight"})  # tied models own no output layer
+    if unused and not _is_pipeline_stage(model):
+        raise ValueError(f"{source}: the model has no parameters for {unused[:4]}")
+
+
+def _is_pipeline_stage(model: torch.nn.Module) -> bool:
+    """True when ``model`` holds only some layers (pipeline parallelism): other stages use the rest."""
+    return not (getattr(model, "pre_process", True) and getattr(model, "post_process", True))
 
 
 def build_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:

@@ -47,9 +47,12 @@ class ModelConfig:
     init_method_std: float = 0.02
     add_qkv_bias: Optional[bool] = None  # default: True for qwen2
     tie_embeddings: bool = False
+    tensor_model_parallel_size: int = 1  # Megatron tensor parallelism, with sequence parallelism when > 1
+    pipeline_model_parallel_size: int = 1  # Megatron pipeline stages (num_layers / stages layers each)
     context_parallel_size: int = 1
     cp_comm_type: str = "a2a"  # a2a | all_gather
     recompute: str = "none"  # none | selective (core attention) | full (whole layers)
+    recompute_num_layers: Optional[int] = None  # full: layers recomputed per pipeline stage (default: all)
     init_from_hf: Optional[str] = None  # local HF directory to start from
 
     def __post_init__(self):
@@ -70,7 +73,8 @@ class ModelConfig:
         if self.cp_comm_type not in ("a2a", "all_gather"):
             bad("cp_comm_type", self.cp_comm_type, "choose one of ['a2a', 'all_gather']")
         for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "seq_length", "context_parallel_size"):
+                    "num_query_groups", "seq_length", "context_parallel_size", "tensor_model_parallel_size",
+                    "pipeline_model_parallel_size"):
             if int(getattr(self, key)) < 1:
                 bad(key, getattr(self, key), "must be a positive integer")
         if self.num_attention_heads % self.num_query_groups:
@@ -80,12 +84,31 @@ class ModelConfig:
             bad("hidden_size", self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads}")
         if self.rope_scaling != "none" and self.rope_scaling_factor < 1:
             bad("rope_scaling_factor", self.rope_scaling_factor, "must be >= 1 with rope scaling")
+        self._validate_parallelism(bad)
+        self.resolved_rotary_base()
+
+    def _validate_parallelism(self, bad) -> None:
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(self, key) % tp:
+                bad(key, getattr(self, key), f"must be divisible by model.tensor_model_parallel_size={tp} "
+                                             f"(each tensor-parallel rank holds 1/{tp} of it)")
+        if self.num_layers % pp:
+            bad("num_layers", self.num_layers,
+                f"must be divisible by model.pipeline_model_parallel_size={pp} (equal pipeline stages)")
+        if self.recompute_num_layers is not None:
+            per_stage = self.num_layers // pp
+            if self.recompute != "full":
+                bad("recompute_num_layers", self.recompute_num_layers, "only applies with model.recompute=full")
+            if not 1 <= self.recompute_num_layers <= per_stage:
+                bad("recompute_num_layers", self.recompute_num_layers,
+                    f"must lie in [1, {per_stage}] (the layers of one pipeline stage)")
         if self.context_parallel_size > 1:
             from nemo_anchor.parallel.context_parallel import check_head_split
 
-            check_head_split(self.num_attention_heads, self.num_query_groups, self.context_parallel_size,
+            # each tensor-parallel rank splits its own heads over the context-parallel ranks
+            check_head_split(self.num_attention_heads // tp, self.num_query_groups // tp, self.context_parallel_size,
                              self.cp_comm_type)
-        self.resolved_rotary_base()
 
     @property
     def kv_channels(self) -> int:

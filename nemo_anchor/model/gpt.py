@@ -33,9 +33,19 @@ class AnchorTransformerConfig(TransformerConfig):
     yarn_correction_range_round_to_int: bool = True
 
 
-def transformer_config(cfg: ModelConfig, *, bf16: bool = False, tensor_parallel_size: int = 1) -> AnchorTransformerConfig:
-    recompute = {"none": {}, "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
-                 "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+def _recompute_settings(cfg: ModelConfig) -> dict:
+    """Megatron's recompute fields for ``model.recompute`` (and ``recompute_num_layers``)."""
+    if cfg.recompute == "selective":  # the attention core only: Megatron's default selective module
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if cfg.recompute == "full":  # whole layers; "block": the first N layers of each stage, the rest keep activations
+        per_stage = cfg.num_layers // cfg.pipeline_model_parallel_size
+        return {"recompute_granularity": "full", "recompute_method": "block",
+                "recompute_num_layers": cfg.recompute_num_layers or per_stage}
+    return {}
+
+
+def transformer_config(cfg: ModelConfig, *, bf16: bool = False) -> AnchorTransformerConfig:
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     return AnchorTransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -53,7 +63,8 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False, tensor_parallel_
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
         bf16=bf16,
-        params_dtype=torch.float32,  # fp32 master weights; bf16 compute comes from autocast
+        params_dtype=torch.float32,  # built in fp32; bf16 runs wrap the model in Megatron's Float16Module
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
         apply_rope_fusion=False,
@@ -61,30 +72,42 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False, tensor_parallel_
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        tensor_model_parallel_size=tensor_parallel_size,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        pipeline_model_parallel_size=pp,
         context_parallel_size=cfg.context_parallel_size,
         cp_comm_type=cfg.cp_comm_type,
+        # the loss is a sum over tokens, divided by the global batch's token count in finalize_model_grads
+        calculate_per_token_loss=True,
         anchor_attention_type=cfg.attention_type,
         rope_in_fp32=cfg.rope_in_fp32,
         # Megatron applies YaRN's attention temperature whenever this factor is not 1, even for plain
         # RoPE, so it must stay 1 unless YaRN is on (NTK is folded into the base instead).
         yarn_rotary_scaling_factor=cfg.rope_scaling_factor if cfg.rope_scaling == "yarn" else 1.0,
         yarn_original_max_position_embeddings=cfg.original_max_position_embeddings,
-        **recompute[cfg.recompute],
+        **_recompute_settings(cfg),
     )
 
 
-def build_gpt_model(cfg: ModelConfig, vocab_size: int, *, bf16: bool = False, spec_backend_te: bool | None = None) -> GPTModel:
-    """Build the model (Megatron parallel state must be initialised: ``nemo_anchor.parallel``)."""
+def build_gpt_model(cfg: ModelConfig, vocab_size: int, *, bf16: bool = False, spec_backend_te: bool | None = None,
+                    pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """Build the model, or this pipeline stage of it (``pre_process``: embeddings, ``post_process``: logits).
+
+    Megatron's parallel state must be initialised with the config's sizes (``nemo_anchor.parallel``).
+    Parameters are fp32; ``bf16`` only records the compute dtype (wrap in ``Float16Module`` to cast).
+    """
     install_rope_precision_hook()
+    if vocab_size % cfg.tensor_model_parallel_size:
+        raise ValueError(f"model.vocab_size={vocab_size} must be divisible by model.tensor_model_parallel_size="
+                         f"{cfg.tensor_model_parallel_size} (the embedding and logits are split by vocabulary)")
     config = transformer_config(cfg, bf16=bf16)
     return GPTModel(
         config=config,
         transformer_layer_spec=get_layer_spec(cfg.attention_type, cfg.attention_backend, spec_backend_te),
         vocab_size=vocab_size,
         max_sequence_length=cfg.seq_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="yarn" if cfg.rope_scaling == "yarn" else "rope",
         rotary_base=cfg.resolved_rotary_base(),

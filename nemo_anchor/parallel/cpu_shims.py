@@ -1,24 +1,52 @@
 """The one place where Megatron-Core 0.16.1 is taught to run without CUDA.
 
-Megatron assumes a GPU in a handful of spots that matter for training on the CPU (each found by
-running our tests on a CPU-only machine). Each shim below replaces exactly one of them with its CPU equivalent and is
-installed only when ``torch.cuda.is_available()`` is False, so GPU runs use Megatron untouched.
+Megatron's model, DDP, distributed optimizer, gradient clipping, pipeline schedules and
+checkpoint writer assume a GPU: they allocate on ``torch.cuda.current_device()`` or
+``device='cuda'``, open CUDA streams, synchronise, keep CUDA RNG state, and check
+``param.type() == 'torch.cuda.FloatTensor'``. Everything here is installed only when
+``torch.cuda.is_available()`` is False, so GPU runs use Megatron untouched, and each shim maps
+one CUDA assumption to its CPU equivalent without changing the arithmetic:
 
+- :class:`_TorchOnCpu`: the modules in ``_CUDA_ASSUMING_MODULES`` see a ``torch`` whose CUDA
+  device *is* the CPU: factories asked for ``device='cuda'`` allocate on the CPU,
+  ``torch.cuda.current_device()`` is the CPU, streams and synchronisation are no-ops.
 - RNG tracker: ``CudaRNGStatesTracker`` and activation recompute save/restore CUDA RNG state;
   on the CPU the tracked state is the CPU generator's.
-- ``RotaryEmbedding.get_emb`` / ``YarnRotaryEmbedding.forward`` move ``inv_freq`` to
-  ``torch.cuda.current_device()`` on first use.
 - ``get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True`` then ``.cuda()``.
-- ``GlobalMemoryBuffer`` (scratch of Megatron's own ``DotProductAttention``) allocates on CUDA.
-- ``dist_checkpointing`` saving calls ``torch.cuda.synchronize`` / ``torch.cuda.current_device``.
+- type checks: the optimizers tell bf16 from fp32 parameters by CUDA tensor type names; inside
+  those functions CPU tensors report the CUDA name of their dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 
 import torch
 
 _installed = False
+
+# Megatron modules (relative to megatron.core) that allocate on, synchronise with or stream on CUDA.
+_CUDA_ASSUMING_MODULES = (
+    "models.common.embeddings.rotary_pos_embedding",
+    "models.common.embeddings.yarn_rotary_pos_embedding",
+    "models.gpt.gpt_model",
+    "utils",
+    "tensor_parallel.layers",
+    "tensor_parallel.mappings",
+    "tensor_parallel.utils",
+    "transformer.transformer_layer",
+    "distributed.param_and_grad_buffer",
+    "distributed.distributed_data_parallel",
+    "distributed.finalize_model_grads",
+    "optimizer.optimizer",
+    "optimizer.distrib_optimizer",
+    "optimizer.clip_grads",
+    "pipeline_parallel.schedules",
+    "pipeline_parallel.p2p_communication",
+    "dist_checkpointing.strategies.filesystem_async",
+    "dist_checkpointing.strategies.state_dict_saver",
+)
 
 
 def install_cpu_shims() -> bool:
@@ -27,13 +55,93 @@ def install_cpu_shims() -> bool:
     if torch.cuda.is_available():
         return False
     if not _installed:
+        cpu_torch = _TorchOnCpu()
+        for name in _CUDA_ASSUMING_MODULES:
+            importlib.import_module(f"megatron.core.{name}").torch = cpu_torch
         _patch_rng_tracker()
-        _patch_rotary_embedding()
         _patch_cp_position_embedding()
-        _patch_global_memory_buffer()
-        _patch_checkpoint_saving()
+        _patch_cuda_type_checks()
         _installed = True
     return True
+
+
+def _cpu_if_cuda(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _NoStream:
+    """A CUDA stream on a machine without one: work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+
+class _CudaOnCpu:
+    """``torch.cuda`` as a shimmed module sees it: its current device is the CPU."""
+
+    Stream = _NoStream
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def is_available():
+        return False
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+    @staticmethod
+    def default_stream(*args, **kwargs):
+        return _NoStream()
+
+    current_stream = default_stream
+
+    @staticmethod
+    def stream(*args, **kwargs):
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")
+
+
+class _TorchOnCpu:
+    """``torch`` for a module that assumes CUDA: ``device='cuda'`` and the current CUDA device mean the CPU."""
+
+    cuda = _CudaOnCpu()
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name not in _FACTORIES:
+            return value
+
+        @functools.wraps(value)
+        def on_cpu(*args, device=None, **kwargs):
+            return value(*args, device=_cpu_if_cuda(device), **kwargs)
+
+        return on_cpu
 
 
 def _patch_rng_tracker() -> None:
@@ -78,35 +186,6 @@ def _patch_rng_tracker() -> None:
     tensor_parallel.model_parallel_cuda_manual_seed = cpu_manual_seed
 
 
-def _patch_rotary_embedding() -> None:
-    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
-
-    def keep_on_cpu(method):
-        # Megatron only moves these buffers while they sit on the CPU; reporting a non-CPU
-        # device type during the call skips the move and leaves the math unchanged.
-        @functools.wraps(method)
-        def wrapper(self, *args, **kwargs):
-            with _cuda_device_is_cpu():
-                return method(self, *args, **kwargs)
-
-        return wrapper
-
-    rotary_pos_embedding.RotaryEmbedding.get_emb = keep_on_cpu(rotary_pos_embedding.RotaryEmbedding.get_emb)
-    yarn = yarn_rotary_pos_embedding.YarnRotaryEmbedding
-    yarn.forward = functools.lru_cache(maxsize=32)(keep_on_cpu(yarn.forward.__wrapped__))
-
-
-class _cuda_device_is_cpu:
-    """Within the block, ``tensor.to(device=torch.cuda.current_device())`` stays on the CPU."""
-
-    def __enter__(self):
-        self._saved = torch.cuda.current_device
-        torch.cuda.current_device = lambda: "cpu"
-
-    def __exit__(self, *exc):
-        torch.cuda.current_device = self._saved
-
-
 def _patch_cp_position_embedding() -> None:
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
 
@@ -123,39 +202,47 @@ def _patch_cp_position_embedding() -> None:
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
-def _patch_global_memory_buffer() -> None:
-    from megatron.core import utils
-
-    original = utils.GlobalMemoryBuffer.get_tensor
-
-    @functools.wraps(original)
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        with _cuda_device_is_cpu():
-            return original(self, tensor_shape, dtype, name, mem_alloc_context)
-
-    utils.GlobalMemoryBuffer.get_tensor = get_tensor
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
 
 
-def _patch_checkpoint_saving() -> None:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
+@contextlib.contextmanager
+def _cpu_tensors_report_cuda_types():
+    """Within the block ``tensor.type()`` names a CPU float tensor as its CUDA counterpart."""
+    original = torch.Tensor.type
 
-    class _TorchWithoutCudaSync:
-        """``torch`` as seen by the async writer, whose only CUDA call is a synchronize."""
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not self.is_cuda and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, dtype, non_blocking, **kwargs)
 
-        def __getattr__(self, name):
-            return getattr(torch, name)
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
-        class cuda:  # noqa: N801 - mirrors torch.cuda
-            @staticmethod
-            def synchronize(*_args, **_kwargs):
-                return None
 
-            @staticmethod
-            def current_device():
-                return "cpu"
+def _patch_cuda_type_checks() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
-            def __getattr__(self, name):
-                return getattr(torch.cuda, name)
+    def reporting_cuda_types(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            with _cpu_tensors_report_cuda_types():
+                return function(*args, **kwargs)
 
-    filesystem_async.torch = _TorchWithoutCudaSync()
-    state_dict_saver.torch = _TorchWithoutCudaSync()
+        return wrapper
+
+    # the functions that branch on or assert CUDA type names (megatron-core 0.16.1)
+    for owner, name in ((distrib_optimizer.DistributedOptimizer, "__init__"),
+                        (optimizer.Float16OptimizerWithFloat16Params, "__init__")):
+        original = owner.__dict__[name]
+        if isinstance(original, (staticmethod, classmethod)):
+            setattr(owner, name, type(original)(reporting_cuda_types(original.__func__)))
+        else:
+            setattr(owner, name, reporting_cuda_types(original))
+    clip_grads.clip_grad_by_total_norm_fp32 = reporting_cuda_types(clip_grads.clip_grad_by_total_norm_fp32)
+    for module in (optimizer, distrib_optimizer):
+        if hasattr(module, "clip_grad_by_total_norm_fp32"):
+            module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32

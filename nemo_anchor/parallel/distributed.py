@@ -1,4 +1,9 @@
-"""Process groups: torchrun (env://) or a single local process, then Megatron's parallel state."""
+"""Process groups: torchrun (env://) or a single local process, then Megatron's parallel state.
+
+The world is split as Megatron splits it: tensor x context x data x pipeline parallel ranks
+(``parallel_state.initialize_model_parallel``). Collectives run on the run's device: NCCL and
+CUDA tensors on GPUs, gloo and CPU tensors otherwise.
+"""
 from __future__ import annotations
 
 import os
@@ -12,23 +17,55 @@ from nemo_anchor.parallel.cpu_shims import install_cpu_shims
 
 
 @dataclass(frozen=True)
+class ParallelSizes:
+    """How the world is split; the data-parallel size is what is left."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+    def data_parallel(self, world_size: int) -> int:
+        """The data-parallel size in a world of ``world_size``; ValueError naming the fix if it does not divide."""
+        if world_size % self.model_parallel:
+            raise ValueError(
+                f"model.tensor_model_parallel_size={self.tensor} x model.pipeline_model_parallel_size="
+                f"{self.pipeline} x model.context_parallel_size={self.context} = {self.model_parallel} must "
+                f"divide the number of processes ({world_size}): launch a multiple of {self.model_parallel} "
+                f"processes (torchrun --nproc_per_node/--nnodes) or choose sizes whose product divides "
+                f"{world_size}; the data-parallel size is what is left")
+        return world_size // self.model_parallel
+
+
+@dataclass(frozen=True)
 class ParallelContext:
     rank: int
     world_size: int
+    sizes: ParallelSizes
     data_parallel_rank: int
     data_parallel_size: int
-    context_parallel_size: int
+    tensor_parallel_rank: int
+    pipeline_parallel_rank: int
     device: torch.device
 
     @property
-    def cp_group(self):
-        from megatron.core import parallel_state
-
-        return parallel_state.get_context_parallel_group()
+    def context_parallel_size(self) -> int:
+        return self.sizes.context
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pipeline_parallel_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pipeline_parallel_rank == self.sizes.pipeline - 1
 
 
 def _free_port() -> int:
@@ -37,17 +74,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234) -> ParallelContext:
+def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234, *, tensor_parallel_size: int = 1,
+                        pipeline_parallel_size: int = 1) -> ParallelContext:
     """Initialise torch.distributed (gloo on the CPU, nccl on GPUs) and Megatron's groups.
 
     Under torchrun the environment gives rank and world size; otherwise this is a world of one.
-    Idempotent for the same ``context_parallel_size``.
+    Re-initialises Megatron's groups when the requested sizes differ from the current ones.
     """
     from megatron.core import parallel_state, tensor_parallel
 
     install_cpu_shims()
+    sizes = ParallelSizes(tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
+        parallel_state.destroy_model_parallel()  # groups of an earlier, destroyed default group are stale
         backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -57,21 +97,24 @@ def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234) -> Par
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % context_parallel_size:
-        raise ValueError(
-            f"model.context_parallel_size={context_parallel_size} must divide the world size {world}: "
-            f"launch a multiple of {context_parallel_size} processes (torchrun --nproc_per_node)")
-    if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_context_parallel_world_size() != context_parallel_size:
-            parallel_state.destroy_model_parallel()
+    data_parallel_size = sizes.data_parallel(world)
+    if parallel_state.model_parallel_is_initialized() and (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size()) != (sizes.tensor, sizes.pipeline, sizes.context):
+        parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(context_parallel_size=context_parallel_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.tensor, pipeline_model_parallel_size=sizes.pipeline,
+            context_parallel_size=sizes.context)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelContext(
         rank=dist.get_rank(),
         world_size=world,
+        sizes=sizes,
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
-        data_parallel_size=parallel_state.get_data_parallel_world_size(),
-        context_parallel_size=context_parallel_size,
+        data_parallel_size=data_parallel_size,
+        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
     )

@@ -22,17 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nemo_anchor.training.config import load_config
-    from nemo_anchor.training.loop import train
-
-    summary = train(load_config(args.config, args.overrides))
+    """0 when training reached trainer.max_steps; EXIT_INTERRUPTED after a SIGTERM/SIGINT (checkpoint saved)."""
     import torch.distributed as dist
 
+    from nemo_anchor.training.config import load_config
+    from nemo_anchor.training.loop import EXIT_INTERRUPTED, train
+
+    summary = train(load_config(args.config, args.overrides))
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({"summary": asdict(summary)}, indent=2))
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return EXIT_INTERRUPTED if summary.stopped_by_signal else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ class TrainerConfig:
     global_batch_size: int = 8  # windows per optimizer step, summed over data-parallel ranks
     micro_batch_size: int = 1  # windows per forward pass on one rank
     precision: str = "bf16"  # bf16 (bf16 compute, fp32 master weights/grads/optimizer) | fp32
+    distributed_optimizer: bool = True  # shard fp32 masters and Adam state over data x context ranks (ZeRO-1)
     seed: int = 1234
     log_every: int = 1
     eval_every: int = 0  # 0: evaluate at the end only
@@ -47,7 +48,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine (after warmup)
+    schedule: str = "constant"  # constant | cosine | linear decay to min_lr after warmup (Megatron's scheduler)
     clip_grad: float = 1.0
 
 
@@ -81,8 +82,10 @@ class RunConfig:
         if t.global_batch_size % t.micro_batch_size:
             bad("trainer.global_batch_size", t.global_batch_size,
                 f"must be a multiple of trainer.micro_batch_size={t.micro_batch_size}")
-        if o.schedule not in ("constant", "cosine"):
-            bad("optim.schedule", o.schedule, "choose constant or cosine")
+        if o.schedule not in ("constant", "cosine", "linear"):
+            bad("optim.schedule", o.schedule, "choose constant, cosine or linear")
+        if o.warmup_steps < 0:
+            bad("optim.warmup_steps", o.warmup_steps, "must be >= 0")
         if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
             bad("optim.lr", o.lr, f"need lr > 0 and 0 <= min_lr ({o.min_lr}) <= lr")
         if not 0 <= o.beta1 < 1 or not 0 <= o.beta2 < 1:

@@ -2,25 +2,44 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 
 from tqdm.auto import tqdm
 
+from nemo_anchor.run_dir import RunDir
+
+
+def _drop_rows_after(path: os.PathLike, step: int) -> None:
+    """Keep the rows of ``metrics.jsonl`` up to ``step``: a resumed run replays the steps after its checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        kept = [line for line in handle if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.writelines(kept)
+    os.replace(tmp, path)
+
 
 class MetricsLogger:
-    """One JSON object per optimizer step in ``metrics.jsonl``, the same scalars in TensorBoard."""
+    """One JSON object per optimizer step in ``metrics.jsonl``, the same scalars in TensorBoard.
 
-    def __init__(self, output_dir: Path, *, total_steps: int, start_step: int, enabled: bool, progress_bar: bool):
+    Started at ``start_step`` (a resume), rows and TensorBoard events after it are discarded
+    first, so each step appears once however often the run was interrupted.
+    """
+
+    def __init__(self, run: RunDir, *, total_steps: int, start_step: int, enabled: bool, progress_bar: bool):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
         self._bar = None
         if not enabled:
             return
-        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        _drop_rows_after(run.metrics, start_step)
+        self._jsonl = open(run.metrics, "a", encoding="utf-8")
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        self._tb = SummaryWriter(log_dir=str(run.tensorboard), purge_step=start_step + 1)
         if progress_bar:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 

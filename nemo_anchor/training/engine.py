@@ -1,0 +1,129 @@
+"""Megatron-Core's training engine, assembled for packed windows.
+
+What Megatron-LM and NeMo run, built from Megatron-Core's own pieces:
+
+- the model (this pipeline stage of it) in Megatron's ``Float16Module`` for bf16 runs (bf16
+  parameters and kernels) and Megatron's ``DistributedDataParallel`` (fp32 gradient buffers,
+  bucketed reduction over the data x context-parallel group);
+- ``get_megatron_optimizer``: AdamW on fp32 master weights with fp32 state, sharded over the
+  data x context-parallel ranks with ``trainer.distributed_optimizer`` (ZeRO-1);
+- ``OptimizerParamScheduler`` for warmup and decay;
+- one optimizer step as ``get_forward_backward_func`` runs it (micro-batches, pipeline
+  schedules), with ``finalize_model_grads`` dividing the summed gradients by the global batch's
+  loss-token count: the loss is the mean over every loss token of the global batch, whatever
+  the parallel layout.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from nemo_anchor.model.gpt import build_gpt_model
+from nemo_anchor.model.packed_seq import make_packed_seq_params
+from nemo_anchor.parallel.distributed import ParallelContext
+from nemo_anchor.training.config import RunConfig
+
+
+@dataclass
+class Engine:
+    model: DistributedDataParallel  # this rank's pipeline stage, wrapped
+    optimizer: object  # a MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+
+    @property
+    def gpt(self):
+        """The unwrapped ``GPTModel`` (this pipeline stage)."""
+        module = self.model.module
+        return module.module if isinstance(module, Float16Module) else module
+
+
+def build_engine(config: RunConfig, ctx: ParallelContext, vocab_size: int,
+                 initialize: Callable[[torch.nn.Module], None] | None = None) -> Engine:
+    """Model, optimizer and scheduler of this rank; ``initialize(gpt)`` sets starting weights (fp32)."""
+    bf16 = config.trainer.precision == "bf16"
+    gpt = build_gpt_model(config.model, vocab_size, bf16=bf16, pre_process=ctx.is_first_stage,
+                          post_process=ctx.is_last_stage).to(ctx.device)
+    if initialize is not None:
+        initialize(gpt)  # before the optimizer copies the weights into its fp32 masters
+    module = Float16Module(gpt.config, gpt) if bf16 else gpt
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=config.trainer.distributed_optimizer,
+    )
+    model = DistributedDataParallel(gpt.config, ddp_config, module)
+    o, t = config.optim, config.trainer
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
+        adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad or 0.0, bf16=bf16,
+        params_dtype=torch.float32, use_distributed_optimizer=t.distributed_optimizer,
+    ), [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(t.max_steps, o.warmup_steps + 1), lr_decay_style=o.schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=t.max_steps, wd_incr_style="constant")
+    gpt.config.finalize_model_grads_func = finalize_model_grads
+    gpt.config.no_sync_func = model.no_sync
+    return Engine(model, optimizer, scheduler)
+
+
+def _forward_step(attention_type: str, cp_group, data_iterator: Iterator[dict], model):
+    """Megatron's ``forward_step_func``: one micro-batch of packed windows through this stage."""
+    batch = next(data_iterator)
+    b, t = batch["tokens"].shape
+    params = make_packed_seq_params(batch["cu_seqlens"], batch["cu_windows"], attention_type, cp_group)
+    output = model(input_ids=batch["tokens"].reshape(1, b * t), position_ids=batch["position_ids"].reshape(1, b * t),
+                   attention_mask=None, labels=batch["labels"].reshape(1, b * t), packed_seq_params=params)
+    return output, functools.partial(_loss_sum, batch["loss_mask"].reshape(-1))
+
+
+def _loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """(sum of the masked per-token loss, its token count, the two for reporting): Megatron's per-token loss contract."""
+    mask = loss_mask.float()
+    loss_sum = (per_token_loss.float().reshape(-1) * mask).sum()
+    tokens = mask.sum()
+    return loss_sum, tokens.to(torch.int), {"loss": torch.stack([loss_sum.detach(), tokens])}
+
+
+def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, forward_only: bool) -> torch.Tensor:
+    """Forward (and backward) every micro-batch; returns float64 ``[loss sum, loss tokens]`` over the world.
+
+    ``batches`` are this rank's micro-batches (collated, context-parallel sharded, on the device).
+    Gradients are reduced and divided by the global token count inside, via ``finalize_model_grads``.
+    """
+    cp_group = parallel_state.get_context_parallel_group() if config.model.context_parallel_size > 1 else None
+    tokens_per_microbatch = batches[0]["tokens"].numel()
+    reported = get_forward_backward_func()(
+        forward_step_func=functools.partial(_forward_step, config.model.attention_type, cp_group),
+        data_iterator=iter(batches), model=[engine.model], num_microbatches=len(batches),
+        seq_length=tokens_per_microbatch, micro_batch_size=1, forward_only=forward_only)
+    totals = torch.zeros(2, dtype=torch.float64, device=batches[0]["tokens"].device)
+    # the last stage reports; tensor-parallel ranks hold the same loss, so only one of them counts
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        for entry in reported:
+            totals += entry["loss"].double()
+    dist.all_reduce(totals)
+    return totals
+
+
+def train_step(engine: Engine, config: RunConfig, batches: list[dict]) -> dict:
+    """One optimizer step over this rank's micro-batches; the returned values are the same on every rank."""
+    engine.model.zero_grad_buffer()
+    engine.optimizer.zero_grad()
+    engine.scheduler.step(1)  # optimizer step k (1-based) runs at the schedule's lr for k
+    totals = run_microbatches(engine, config, batches, forward_only=False)
+    updated, grad_norm, _ = engine.optimizer.step()
+    if not updated:
+        raise FloatingPointError("the optimizer skipped the step (non-finite gradients)")
+    return {"loss": float(totals[0] / totals[1]), "lr": engine.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(grad_norm), "loss_tokens": int(totals[1])}
