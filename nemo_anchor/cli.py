@@ -13,7 +13,7 @@ import sys
 # module path -> the subcommands it registers (imported lazily, on demand)
 SUBCOMMANDS = {
     "nemo_anchor.data.cli": ("pack",),
-    "nemo_anchor.training.cli": ("train",),
+    "nemo_anchor.training.cli": ("train", "plan"),
     "nemo_anchor.export.cli": ("export-hf", "import-hf"),
     "nemo_anchor.analysis.cli": ("probe",),
     "nemo_anchor.evaluation.cli": ("eval",),

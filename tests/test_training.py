@@ -63,15 +63,17 @@ def _train(config_path, overrides):
     return cli(["train", "--config", str(config_path), *overrides])
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, packed):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, packed, precision):
     path, _ = _config(tmp_path, packed)
-    assert _train(path, [f"output_dir={tmp_path / 'straight'}"]) == 0
+    precision = f"trainer.precision={precision}"
+    assert _train(path, [f"output_dir={tmp_path / 'straight'}", precision]) == 0
     straight = _losses(tmp_path / "straight")
     assert sorted(straight) == list(range(1, 7))
 
-    assert _train(path, [f"output_dir={tmp_path / 'split'}", "trainer.max_steps=3"]) == 0
-    assert _train(path, [f"output_dir={tmp_path / 'split'}"]) == 0
-    assert _losses(tmp_path / "split") == straight  # bitwise: same data, weights, optimizer state
+    assert _train(path, [f"output_dir={tmp_path / 'split'}", "trainer.max_steps=3", precision]) == 0
+    assert _train(path, [f"output_dir={tmp_path / 'split'}", precision]) == 0
+    assert _losses(tmp_path / "split") == straight  # bitwise: same data, weights, fp32 masters, optimizer state
 
     record = json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[0])
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(record)

@@ -145,11 +145,11 @@ def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str) -> dict[str, torch.Tens
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from nemo_anchor.parallel.distributed import initialize_parallel
+    from nemo_anchor.parallel.distributed import ensure_initialized
 
     if not (ckpt_dir / "metadata.json").is_file():
         raise FileNotFoundError(f"not a dist_checkpointing directory (no metadata.json): {ckpt_dir}")
-    initialize_parallel()  # dist_checkpointing reads through torch.distributed, even for one process
+    ensure_initialized()  # dist_checkpointing reads through torch.distributed, even for one process
     try:
         metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
         wanted = {key: sharded for key, sharded in metadata.items() if key.startswith(prefix)}

@@ -15,7 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.packed_seq import make_packed_seq_params
 from nemo_anchor.model.rope import install_rope_precision_hook
-from nemo_anchor.model.spec import get_layer_spec
+from nemo_anchor.model.spec import get_block_spec, get_layer_spec
 
 
 @dataclass
@@ -103,7 +103,8 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, *, bf16: bool = False, sp
     config = transformer_config(cfg, bf16=bf16)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_layer_spec(cfg.attention_type, cfg.attention_backend, spec_backend_te),
+        transformer_layer_spec=get_block_spec(get_layer_spec(cfg.attention_type, cfg.attention_backend,
+                                                             spec_backend_te), config),
         vocab_size=vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=pre_process,

@@ -8,10 +8,26 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.core_attention import AnchorCoreAttention
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for the local (non-TE) spec, usable with sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` refuses sequence parallelism only because it does not mark its
+    weight: under sequence parallelism each tensor-parallel rank normalises its own slice of the
+    tokens, so the weight's gradient is a partial sum that ``finalize_model_grads`` must all-reduce
+    over the tensor-parallel group, which it does for parameters marked ``sequence_parallel``.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def core_attention_spec(attention_type: str, backend: str = "auto") -> ModuleSpec:
@@ -37,4 +53,20 @@ def get_layer_spec(attention_type: str, backend: str = "auto", use_transformer_e
         base = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     spec = copy.deepcopy(base)
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(attention_type, backend)
+    if not use_transformer_engine:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
+        if qk_layernorm:
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
+
+
+def get_block_spec(layer_spec: ModuleSpec, config) -> ModuleSpec | TransformerBlockSubmodules:
+    """The decoder of this pipeline stage: ``layer_spec`` repeated, and the final norm to match.
+
+    Megatron picks the final norm itself for a layer spec (TE's, apex's or ``WrappedTorchNorm``);
+    local specs name ours so that the whole model supports sequence parallelism.
+    """
+    if layer_spec.submodules.input_layernorm is not RMSNorm:
+        return layer_spec
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)

@@ -87,18 +87,23 @@ def anchor_pretrain_recipe(
     global_batch_size: int = 8,
     micro_batch_size: int = 1,
     lr: float = 2e-5,
+    recompute_num_layers: Optional[int] = None,
 ) -> run.Partial:
     """``llm.pretrain`` of a paper preset (``nemo_anchor.nemo.config.PRESETS``) on packed windows.
 
     The RoPE base follows the paper's schedule for ``seq_length`` (5M at 64K, 10M at 128K).
     ``data_path`` is a ``nemo-anchor pack`` directory packed at ``seq_length``.
+    ``recompute_num_layers``: full activation recompute (block method) of that many layers per
+    GPU; the presets below pass what ``nemo-anchor plan`` needs to fit 8x 80 GB at 128K.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r}: choose one of {sorted(PRESETS)}")
     config_class, model_class = PRESETS[preset]
+    recompute = ({} if not recompute_num_layers else
+                 dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_num_layers))
     model = run.Config(model_class, config=run.Config(
         config_class, attention_type=attention_type, seq_length=seq_length,
-        rotary_base=paper_rotary_base(seq_length)))
+        rotary_base=paper_rotary_base(seq_length), **recompute))
     data = run.Config(AnchorPackedDataModule, path=data_path, seq_length=seq_length,
                       micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
     return run.Partial(
@@ -114,23 +119,28 @@ def anchor_pretrain_recipe(
 
 @run.cli.factory(target=llm.pretrain, name="anchor_llama2_7b")
 def anchor_llama2_7b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
-    """Llama-2-7B, the paper's main model."""
-    return anchor_pretrain_recipe("llama2_7b", data_path=data_path, seq_length=seq_length, name="anchor_llama2_7b")
+    """Llama-2-7B, the paper's main model (planner: 27 recomputed layers at 128K on 8x 80 GB, 17 at 64K)."""
+    return anchor_pretrain_recipe("llama2_7b", data_path=data_path, seq_length=seq_length, name="anchor_llama2_7b",
+                                  recompute_num_layers=27 if seq_length > 65_536 else 17)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_llama3_8b")
 def anchor_llama3_8b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
-    return anchor_pretrain_recipe("llama3_8b", data_path=data_path, seq_length=seq_length, name="anchor_llama3_8b")
+    """Llama-3-8B (planner: every layer recomputed at 128K on 8x 80 GB)."""
+    return anchor_pretrain_recipe("llama3_8b", data_path=data_path, seq_length=seq_length, name="anchor_llama3_8b",
+                                  recompute_num_layers=32)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_mistral_7b_v03")
 def anchor_mistral_7b_v03(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+    """Mistral-7B-v0.3 (planner: 28 recomputed layers at 128K on 8x 80 GB)."""
     return anchor_pretrain_recipe("mistral_7b_v0.3", data_path=data_path, seq_length=seq_length,
-                                  name="anchor_mistral_7b_v03")
+                                  name="anchor_mistral_7b_v03", recompute_num_layers=28)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_qwen15_1p8b")
 def anchor_qwen15_1p8b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
     """Qwen-1.5-1.8B: no BOS token; pack with a tokenizer whose anchor is EOS (Section 5.3)."""
     return anchor_pretrain_recipe("qwen1.5_1.8b", data_path=data_path, seq_length=seq_length,
-                                  name="anchor_qwen15_1p8b", tensor_parallelism=1, context_parallelism=4)
+                                  name="anchor_qwen15_1p8b", tensor_parallelism=1, context_parallelism=4,
+                                  recompute_num_layers=15)  # planner: 15 layers at 128K, CP 4 x DP 2

@@ -118,3 +118,15 @@ def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234, *, ten
         pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
     )
+
+
+def ensure_initialized() -> None:
+    """A process group and Megatron's groups for readers of checkpoints (export, inference).
+
+    Leaves an existing setup alone: a trainer reading its starting weights keeps its own
+    tensor/pipeline/context split.
+    """
+    from megatron.core import parallel_state
+
+    if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        initialize_parallel()

@@ -1,4 +1,5 @@
-"""``nemo-anchor train --config FILE [key=value ...]`` (also ``torchrun ... scripts/pretrain.py``)."""
+"""``nemo-anchor train --config FILE [key=value ...]`` (also ``torchrun ... scripts/pretrain.py``) and
+``nemo-anchor plan --config FILE --gpus N --gpu-memory GIB``: the per-GPU memory of that run."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,17 @@ def register(subparsers) -> None:
                     "Under torchrun every process runs this same command.")
     add_arguments(parser)
     parser.set_defaults(func=run)
+
+    plan = subparsers.add_parser(
+        "plan", help="per-GPU memory of a training config before launch; exit 1 when it does not fit",
+        description="Weights, gradients, optimizer state, activations, logits and communication buffers per GPU "
+                    "for the config's parallel layout, against the GPU's memory. Exit 0 when it fits, 1 (naming "
+                    "the smallest change that fits) when it does not.")
+    add_arguments(plan)
+    plan.add_argument("--gpus", type=int, required=True, help="processes (GPUs) the run is launched on")
+    plan.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU in GiB")
+    plan.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    plan.set_defaults(func=run_plan)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +46,62 @@ def run(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return EXIT_INTERRUPTED if summary.stopped_by_signal else 0
+
+
+def _vocab_size(config) -> int:
+    if config.model.vocab_size:
+        return config.model.vocab_size
+    from nemo_anchor.data import PackedDataset
+    from nemo_anchor.training.loop import padded_vocab_size
+
+    try:
+        tokenizer_vocab = PackedDataset(config.data.path).tokenizer.vocab_size
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"set model.vocab_size, or data.path to a packed dataset to read it from ({err})") from None
+    return padded_vocab_size(tokenizer_vocab, config.model.tensor_model_parallel_size)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from nemo_anchor.training.config import load_config
+    from nemo_anchor.training.memory import GIB, Layout, plan_memory, suggest
+
+    config = load_config(args.config, args.overrides)
+    m, t = config.model, config.trainer
+    layout = Layout(args.gpus, m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
+    if args.gpus < 1 or args.gpus % (layout.tensor * layout.pipeline * layout.context):
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of tensor x pipeline x context parallel size = "
+                         f"{layout.tensor} x {layout.pipeline} x {layout.context}")
+    if args.gpu_memory <= 0:
+        raise ValueError(f"--gpu-memory {args.gpu_memory} must be positive (GiB)")
+    options = dict(gpu_bytes=int(args.gpu_memory * GIB), micro_batch_size=t.micro_batch_size,
+                   bf16=t.precision == "bf16", distributed_optimizer=t.distributed_optimizer)
+    vocab = _vocab_size(config)
+    plan = plan_memory(m, vocab, layout, **options)
+    fix = None if plan.fits else suggest(m, vocab, layout, **options)
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "config": str(args.config), "suggestion": fix}, indent=2))
+    else:
+        print(format_plan(plan, str(args.config)))
+        if not plan.fits:
+            print(f"does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory:g} GiB; "
+                  + (f"smallest change that fits: {fix}" if fix else "no change of recompute, tensor or context "
+                     "parallelism up to 64x the GPUs fits"))
+    return 0 if plan.fits else 1
+
+
+def format_plan(plan, name: str) -> str:
+    from nemo_anchor.training.memory import GIB
+
+    lay = plan.layout
+    rows = [("weights", plan.weights), ("gradients (fp32)", plan.gradients), ("optimizer (fp32)", plan.optimizer),
+            ("activations", plan.activations), ("recompute workspace", plan.recompute_workspace),
+            ("logits and loss", plan.logits), ("communication buffers", plan.communication),
+            ("CUDA context and reserve", plan.reserved), ("total", plan.total)]
+    head = (f"{name}: {lay.gpus} GPUs = tensor {lay.tensor} x pipeline {lay.pipeline} x context {lay.context} "
+            f"x data {lay.data}; per GPU:")
+    lines = [head] + [f"  {label:<26}{value / GIB:>9.2f} GiB" for label, value in rows]
+    lines.append(f"  {'GPU memory':<26}{plan.gpu_bytes / GIB:>9.2f} GiB -> {'fits' if plan.fits else 'DOES NOT FIT'}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

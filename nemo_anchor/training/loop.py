@@ -22,6 +22,7 @@ from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
+from nemo_anchor.training import memory
 from nemo_anchor.training.config import RunConfig, to_yaml
 from nemo_anchor.training.engine import Engine, build_engine, run_microbatches, train_step
 from nemo_anchor.training.metrics import MetricsLogger
@@ -93,6 +94,8 @@ class Trainer:
             self.resumed_from = resume_from
         self.config_yaml = to_yaml(self.config)
         self._prepare_output_dir()
+        if self.ctx.device.type == "cuda":
+            self._warn_if_over_gpu_memory()
 
     # ----------------------------------------------------------------- setup
     def _say(self, message: str) -> None:
@@ -110,7 +113,8 @@ class Trainer:
         if valid is not None and valid.seq_length != train.seq_length:
             raise ValueError(f"data.valid_path={cfg.data.valid_path} has windows of {valid.seq_length} tokens, "
                              f"data.path has {train.seq_length}: pack both with the same --seq-length")
-        vocab_size = cfg.model.vocab_size or train.tokenizer.vocab_size
+        vocab_size = cfg.model.vocab_size or padded_vocab_size(train.tokenizer.vocab_size,
+                                                               cfg.model.tensor_model_parallel_size)
         return train, valid, vocab_size
 
     def _starting_weights(self) -> Path | None:
@@ -205,6 +209,8 @@ class Trainer:
                 step_start = time.perf_counter()
                 last = self.train_step()
                 elapsed = time.perf_counter() - step_start
+                if tokens_seen == 0:  # Adam's state exists from the first step on
+                    logger.log_memory(self.step, self._state_bytes_per_rank())
                 tokens_seen += last["tokens"]
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     logger.log_step({"step": self.step, **last, "tokens_per_s": last["tokens"] / elapsed,
@@ -232,11 +238,42 @@ class Trainer:
         logger.close()
         return summary
 
+    def _state_bytes_per_rank(self) -> dict[str, list[int]]:
+        measured = memory.state_bytes(self.engine)
+        mine = torch.tensor([measured.weights, measured.gradients, measured.optimizer], device=self.ctx.device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return {key: [int(rank[i]) for rank in every]
+                for i, key in enumerate(("weights_bytes", "gradients_bytes", "optimizer_bytes"))}
+
+    def _warn_if_over_gpu_memory(self) -> None:
+        """On GPUs, the planner's estimate against the device before the first step."""
+        m, t = self.config.model, self.config.trainer
+        layout = memory.Layout(self.ctx.world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                               m.context_parallel_size)
+        options = dict(gpu_bytes=torch.cuda.get_device_properties(self.ctx.device).total_memory,
+                       micro_batch_size=t.micro_batch_size, bf16=t.precision == "bf16",
+                       distributed_optimizer=t.distributed_optimizer)
+        plan = memory.plan_memory(m, m.vocab_size, layout, **options)
+        if not plan.fits:
+            fix = memory.suggest(m, m.vocab_size, layout, **options)
+            self._say(f"warning: nemo-anchor plan estimates {plan.total / memory.GIB:.1f} GiB per GPU, more than "
+                      f"the {plan.gpu_bytes / memory.GIB:.1f} GiB of this one" + (f"; try {fix}" if fix else ""))
+
     def _agree(self, flag: bool) -> bool:
         """Every rank stops at the same step when any rank received the signal."""
         value = torch.tensor([int(flag)], device=self.ctx.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
+
+
+def padded_vocab_size(tokenizer_vocab: int, tensor_parallel_size: int) -> int:
+    """The tokenizer's vocabulary, padded as Megatron-LM pads it (to a multiple of 128 x tensor-parallel
+    size) only when the tensor-parallel split of the embedding and logits needs it."""
+    if tokenizer_vocab % tensor_parallel_size == 0:
+        return tokenizer_vocab
+    multiple = 128 * tensor_parallel_size
+    return -(-tokenizer_vocab // multiple) * multiple
 
 
 def train(config: RunConfig) -> TrainSummary:

@@ -64,6 +64,15 @@ class MetricsLogger:
             self._tb.add_scalar(f"eval/{key}", value, step)
         self.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
 
+    def log_memory(self, step: int, per_rank: dict[str, list[int]]) -> None:
+        """One row: each rank's bytes of weights, gradients and optimizer state (measured after a step)."""
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, "memory": per_rank}) + "\n")
+        self._jsonl.flush()
+        gib = {key: max(values) / 1024 ** 3 for key, values in per_rank.items()}
+        self.write("state per rank (max): " + ", ".join(f"{k.removesuffix('_bytes')} {v:.2f} GiB" for k, v in gib.items()))
+
     def write(self, message: str) -> None:
         if self.enabled:
             (self._bar.write if self._bar is not None else print)(message)

@@ -1,0 +1,269 @@
+"""Per-GPU memory of a training run: planned from the config before launch, measured in a running engine.
+
+The plan follows what Megatron-Core allocates for the engine in :mod:`nemo_anchor.training.engine`:
+
+- weights: this rank's parameters (tensor- and pipeline-parallel shard) in the compute dtype. With
+  the distributed optimizer they live in DDP's padded parameter buffer;
+- gradients: DDP's fp32 gradient buffer (``grad_reduce_in_fp32``), padded as Megatron pads it;
+- optimizer: AdamW's two fp32 moments, plus fp32 master weights in bf16 runs, for the slice of the
+  buffer this data x context-parallel rank owns (all of it without the distributed optimizer);
+- activations: what autograd saves for backward over one micro-batch (attention kernels that never
+  store the T x T scores), for the recompute policy, times the micro-batches a pipeline stage holds;
+- logits: the output layer's logits and the fp32 softmax of the vocabulary-parallel cross entropy;
+- communication: the sequence-parallel all-gather of one layer's input and a context-parallel
+  gather of one layer's keys and values.
+
+:func:`state_bytes` measures the first three in a live engine, from the tensors themselves.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from nemo_anchor.model.config import ModelConfig
+
+GIB = 1024 ** 3
+# Megatron's DistributedDataParallelConfig default bucket size: max(40M, 1M x data-parallel size) params
+_BUCKET_BASE, _BUCKET_PER_RANK = 40_000_000, 1_000_000
+_CUDA_CONTEXT_BYTES = 2 * GIB  # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation reserve
+
+
+@dataclass(frozen=True)
+class Layout:
+    gpus: int
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+
+    @property
+    def data(self) -> int:
+        return self.gpus // (self.tensor * self.pipeline * self.context)
+
+
+def parameter_shapes(model: ModelConfig, vocab_size: int, tensor: int = 1, pipeline: int = 1,
+                     stage: int = 0) -> list[tuple[str, int]]:
+    """(name, elements) of every parameter one tensor-parallel rank of pipeline ``stage`` holds, in
+    module order (the order DDP lays its buffer out in, reversed)."""
+    h, d = model.hidden_size, model.kv_channels
+    q, kv, ffn = model.num_attention_heads * d, model.num_query_groups * d, model.ffn_hidden_size
+    layers = model.num_layers // pipeline
+    first, last = stage == 0, stage == pipeline - 1
+    shapes = [("embedding.word_embeddings.weight", vocab_size // tensor * h)] if first else []
+    for layer in range(stage * layers, (stage + 1) * layers):
+        prefix = f"decoder.layers.{layer}."
+        shapes += [(prefix + "input_layernorm.weight", h),
+                   (prefix + "self_attention.linear_proj.weight", h * q // tensor),
+                   (prefix + "self_attention.linear_qkv.weight", (q + 2 * kv) // tensor * h)]
+        if model.qkv_bias:
+            shapes.append((prefix + "self_attention.linear_qkv.bias", (q + 2 * kv) // tensor))
+        shapes += [(prefix + "pre_mlp_layernorm.weight", h),
+                   (prefix + "mlp.linear_fc1.weight", 2 * ffn // tensor * h),
+                   (prefix + "mlp.linear_fc2.weight", h * ffn // tensor)]
+    if last:
+        shapes.append(("decoder.final_layernorm.weight", h))
+        if not model.tie_embeddings or not first:  # a tied last stage holds its own copy of the embedding
+            shapes.append(("output_layer.weight", vocab_size // tensor * h))
+    return shapes
+
+
+def _buffer_layout(numels: list[int], data_parallel: int, distributed_optimizer: bool) -> tuple[int, list[int]]:
+    """(padded buffer elements, elements of real parameters each data-parallel rank owns), as
+    Megatron's ``_ParamAndGradBuffer`` lays parameters out (reverse order, 64-element aligned starts
+    and buckets padded to lcm(dp, 128) with the distributed optimizer)."""
+    if not distributed_optimizer:
+        total = sum(numels)
+        return total, [total] * data_parallel
+    bucket_size = max(_BUCKET_BASE, _BUCKET_PER_RANK * data_parallel)
+    divisor = math.lcm(data_parallel, 128)
+    ranges, buckets = [], []
+    start = bucket_start = 0
+    for numel in reversed(numels):
+        start = -(-start // 64) * 64
+        ranges.append((start, start + numel))
+        start += numel
+        if start - bucket_start >= bucket_size:
+            start = -(-start // divisor) * divisor
+            buckets.append((bucket_start, start))
+            bucket_start = start
+    if start > bucket_start:
+        start = -(-start // divisor) * divisor
+        buckets.append((bucket_start, start))
+    owned = [0] * data_parallel
+    for lo, hi in buckets:
+        shard = (hi - lo) // data_parallel
+        for rank in range(data_parallel):
+            own_lo, own_hi = lo + rank * shard, lo + (rank + 1) * shard
+            owned[rank] += sum(max(0, min(p_hi, own_hi) - max(p_lo, own_lo)) for p_lo, p_hi in ranges)
+    return start, owned
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of weights, gradients and optimizer state on one rank."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+
+def planned_state_bytes(model: ModelConfig, vocab_size: int, layout: Layout, *, bf16: bool,
+                        distributed_optimizer: bool, stage: int = 0) -> list[StateBytes]:
+    """The planned :class:`StateBytes` of each data-parallel rank of one tensor-parallel rank of ``stage``."""
+    numels = [n for _, n in parameter_shapes(model, vocab_size, layout.tensor, layout.pipeline, stage)]
+    shards = layout.data * layout.context  # the distributed optimizer shards over data x context ranks
+    padded, owned = _buffer_layout(numels, shards, distributed_optimizer)
+    weight_size = 2 if bf16 else 4
+    weights = (padded if distributed_optimizer else sum(numels)) * weight_size
+    per_element = 8 + (4 if bf16 else 0)  # Adam's fp32 moments (+ fp32 master of a bf16 parameter)
+    return [StateBytes(weights, padded * 4, n * per_element) for n in owned]
+
+
+def state_bytes(engine) -> StateBytes:
+    """This rank's measured weight, gradient and optimizer bytes in a live :class:`Engine`."""
+    buffers = list(engine.model.buffers) + list(getattr(engine.model, "expert_parallel_buffers", []))
+    param_buffers = [b.param_data for b in buffers if b.param_data is not None]
+    if param_buffers:
+        weights = sum(t.numel() * t.element_size() for t in param_buffers)
+    else:
+        weights = sum(p.numel() * p.element_size() for p in engine.gpt.parameters())
+    gradients = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+    seen, optimizer = set(), 0
+    model_storages = {p.untyped_storage().data_ptr() for p in engine.gpt.parameters()}
+    model_storages |= {t.untyped_storage().data_ptr() for t in param_buffers}
+
+    def count(tensor: torch.Tensor) -> None:
+        nonlocal optimizer
+        storage = tensor.untyped_storage()
+        if tensor.dim() and storage.data_ptr() not in seen and storage.data_ptr() not in model_storages:
+            seen.add(storage.data_ptr())
+            optimizer += storage.nbytes()
+
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for state in opt.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    count(value)
+        for group in opt.optimizer.param_groups:  # fp32 masters (views of the parameters in fp32 runs)
+            for param in group["params"]:
+                count(param)
+    return StateBytes(weights, gradients, optimizer)
+
+
+def activation_bytes_per_token(model: ModelConfig, vocab_size: int, *, bf16: bool, tensor: int = 1) -> dict:
+    """Bytes autograd saves per token of a micro-batch (one tensor-parallel rank, sequence parallel):
+    per transformer layer, per recomputed layer (its input), and for the final norm, logits and loss.
+
+    Counted from what this model saves (checked with autograd's saved-tensor hooks in the tests):
+    each RMSNorm its input, its normalised input and output (3h) and an fp32 rstd; the fused QKV
+    output, q and k after RoPE (fp32 cos/sin per token), the attention output and fp32 log-sum-exp
+    (kernels keep no T x T scores); fc1's output and SwiGLU's three ffn-sized tensors.
+    """
+    a = 2 if bf16 else 4
+    h, d, ffn, heads = model.hidden_size, model.kv_channels, model.ffn_hidden_size, model.num_attention_heads
+    q, kv = heads * d, model.num_query_groups * d
+    layer = (6 * h + 3 * q + 3 * kv + 5 * ffn) * a / tensor + 4 * 4 * d + 4 * heads / tensor + 8
+    # final norm; logits, and in bf16 the cross entropy's fp32 copy of them
+    logits = (3 * h * a + 4) / tensor + vocab_size / tensor * (4 + (a if bf16 else 0))
+    return {"layer": layer, "layer_input": h * a / tensor, "logits": logits}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU bytes of the busiest rank, and the verdict against the GPU."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # saved by the forward pass of the micro-batches in flight
+    recompute_workspace: int  # one recomputed layer's activations, rebuilt during backward
+    logits: int
+    communication: int
+    reserved: int
+    total: int
+    gpu_bytes: int
+    layout: Layout
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_bytes
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "layout"}
+        return {**out, "layout": asdict(self.layout), "fits": self.fits,
+                **{f"{k}_gib": round(v / GIB, 2) for k, v in out.items()}}
+
+
+def plan_memory(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_bytes: int, micro_batch_size: int,
+                bf16: bool = True, distributed_optimizer: bool = True, reserved: int = _CUDA_CONTEXT_BYTES) -> MemoryPlan:
+    """The busiest rank's memory for ``model`` trained on ``layout`` (the first pipeline stage holds
+    the most micro-batches in flight, the last the logits: both are taken at their worst)."""
+    states = [max(planned_state_bytes(model, vocab_size, layout, bf16=bf16, distributed_optimizer=distributed_optimizer,
+                                      stage=s), key=lambda b: b.weights + b.gradients + b.optimizer)
+              for s in range(layout.pipeline)]
+    state = max(states, key=lambda b: b.weights + b.gradients + b.optimizer)
+    tokens = model.seq_length * micro_batch_size // layout.context
+    per_token = activation_bytes_per_token(model, vocab_size, bf16=bf16, tensor=layout.tensor)
+    layers = model.num_layers // layout.pipeline
+    recomputed = 0 if model.recompute != "full" else (model.recompute_num_layers or layers)
+    # selective recompute (core attention) frees nothing measurable here: attention kernels keep only
+    # q, k, v, the output and the log-sum-exp, which the recompute needs anyway
+    stored = (layers - recomputed) * per_token["layer"] + recomputed * per_token["layer_input"]
+    in_flight = layout.pipeline  # 1F1B: the first stage holds up to `pipeline` micro-batches
+    activations = int(tokens * stored * in_flight)
+    recompute_workspace = int(tokens * per_token["layer"]) if recomputed else 0  # one layer, rebuilt in backward
+    logits = int(tokens * per_token["logits"])
+    a, kv = (2 if bf16 else 4), model.num_query_groups * model.kv_channels
+    communication = int(tokens * model.hidden_size * a * (layout.tensor > 1)
+                        + model.seq_length * micro_batch_size * 2 * kv * a / layout.tensor * (layout.context > 1))
+    total = (state.weights + state.gradients + state.optimizer + activations + recompute_workspace + logits
+             + communication + reserved)
+    return MemoryPlan(state.weights, state.gradients, state.optimizer, activations, recompute_workspace, logits,
+                      communication, reserved, total, gpu_bytes, layout)
+
+
+def suggest(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_bytes: int, micro_batch_size: int,
+            bf16: bool, distributed_optimizer: bool) -> str | None:
+    """The smallest change that makes a plan that does not fit fit, in the order users try them."""
+    def fits(m: ModelConfig, lay: Layout) -> bool:
+        return plan_memory(m, vocab_size, lay, gpu_bytes=gpu_bytes, micro_batch_size=micro_batch_size, bf16=bf16,
+                           distributed_optimizer=distributed_optimizer).fits
+
+    layers = model.num_layers // layout.pipeline
+    if model.recompute != "full":
+        for n in range(1, layers + 1):
+            if fits(replace(model, recompute="full", recompute_num_layers=n), layout):
+                return f"model.recompute=full model.recompute_num_layers={n}"
+    full = replace(model, recompute="full", recompute_num_layers=None)
+    for name, key in (("tensor", "model.tensor_model_parallel_size"), ("context", "model.context_parallel_size")):
+        for size in (2, 4, 8):
+            bigger = replace(layout, **{name: size * getattr(layout, name)})
+            if bigger.data >= 1 and layout.gpus % (bigger.tensor * bigger.pipeline * bigger.context) == 0:
+                if fits(replace(model, **{"tensor_model_parallel_size" if name == "tensor" else "context_parallel_size":
+                                          getattr(bigger, name)}), bigger):
+                    return f"{key}={getattr(bigger, name)}"
+                if fits(full, bigger):
+                    return f"model.recompute=full and {key}={getattr(bigger, name)}"
+    for gpus in (2, 4, 8, 16, 32, 64):
+        more = replace(layout, gpus=layout.gpus * gpus, context=layout.context * gpus)
+        if fits(full, more):
+            return (f"{more.gpus} GPUs with model.context_parallel_size={more.context} and model.recompute=full")
+    return None
+
+
+def saved_activation_bytes(model: torch.nn.Module, run) -> int:
+    """Bytes of the distinct tensors autograd saves for backward while ``run()`` executes a forward
+    pass (parameters excluded): what the activation estimate predicts."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params and storage.device.type != "meta":
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(storages.values())

@@ -1,0 +1,123 @@
+"""The memory planner against what Megatron-Core's engine allocates, and ``nemo-anchor plan``."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nemo_anchor.cli import main as cli
+from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.training.memory import (Layout, plan_memory, planned_state_bytes, saved_activation_bytes,
+                                         state_bytes)
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 384
+MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, seq_length=64)
+
+_MEASURE = r'''
+import json, sys, torch, torch.distributed as dist
+from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.parallel.distributed import initialize_parallel
+from nemo_anchor.training.config import RunConfig, TrainerConfig
+from nemo_anchor.training.engine import build_engine, train_step
+from nemo_anchor.training.memory import state_bytes
+precision, tensor, model = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+ctx = initialize_parallel(tensor_parallel_size=tensor)
+config = RunConfig(model=ModelConfig(**model, tensor_model_parallel_size=tensor),
+                   trainer=TrainerConfig(precision=precision, global_batch_size=ctx.data_parallel_size))
+engine = build_engine(config, ctx, 384)
+T = model["seq_length"]
+tokens = torch.randint(0, 384, (1, T))
+batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T), position_ids=torch.arange(T)[None],
+             cu_seqlens=torch.tensor([0, T // 3, T], dtype=torch.int32), cu_windows=torch.tensor([0, T], dtype=torch.int32))
+train_step(engine, config, [batch])  # Adam's moments exist after the first step
+b = state_bytes(engine)
+print("STATE", json.dumps([dist.get_rank(), ctx.data_parallel_rank, b.weights, b.gradients, b.optimizer]), flush=True)
+'''
+
+
+def _measure(tmp_path, processes: int, precision: str, tensor: int = 1) -> list[list[int]]:
+    script = tmp_path / "measure.py"
+    script.write_text(_MEASURE)
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([*launcher, str(script), precision, str(tensor), json.dumps(MODEL)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line.split("STATE", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("STATE")]
+
+
+@pytest.mark.parametrize("processes,precision,tensor", [(1, "bf16", 1), (1, "fp32", 1), (2, "bf16", 1), (2, "fp32", 2)])
+def test_planned_weight_gradient_and_optimizer_bytes_are_exact(tmp_path, processes, precision, tensor):
+    layout = Layout(processes, tensor=tensor)
+    planned = planned_state_bytes(ModelConfig(**MODEL), VOCAB, layout, bf16=precision == "bf16",
+                                  distributed_optimizer=True)
+    measured = _measure(tmp_path, processes, precision, tensor)
+    assert len(measured) == processes
+    for _, data_rank, weights, gradients, optimizer in measured:
+        assert (weights, gradients, optimizer) == (planned[data_rank].weights, planned[data_rank].gradients,
+                                                   planned[data_rank].optimizer)
+    if layout.data == 2:  # the distributed optimizer splits the state in halves
+        assert abs(measured[0][4] - measured[1][4]) <= 0.05 * measured[0][4]
+
+
+@pytest.mark.parametrize("precision,recompute", [("fp32", "none"), ("bf16", "none"), ("bf16", "full")])
+def test_saved_activations_within_a_quarter_of_the_estimate(precision, recompute):
+    from megatron.core.transformer.module import Float16Module
+
+    from nemo_anchor.model.gpt import build_gpt_model
+    from nemo_anchor.model.packed_seq import make_packed_seq_params
+    from nemo_anchor.parallel.distributed import initialize_parallel
+
+    initialize_parallel()
+    T = 512
+    cfg = ModelConfig(num_layers=3, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
+                      seq_length=T, recompute=recompute, attention_backend="cpu")
+    gpt = build_gpt_model(cfg, VOCAB, bf16=precision == "bf16")
+    model = Float16Module(gpt.config, gpt) if precision == "bf16" else gpt
+    tokens = torch.randint(0, VOCAB, (1, T))
+    params = make_packed_seq_params(torch.tensor([0, 100, 300, T], dtype=torch.int32),
+                                    torch.tensor([0, T], dtype=torch.int32), "anchor", None)
+    measured = saved_activation_bytes(model, lambda: model(input_ids=tokens, position_ids=torch.arange(T)[None],
+                                                          attention_mask=None, labels=tokens, packed_seq_params=params))
+    plan = plan_memory(cfg, VOCAB, Layout(1), gpu_bytes=80 << 30, micro_batch_size=1, bf16=precision == "bf16")
+    assert abs(plan.activations + plan.logits - measured) <= 0.25 * measured
+
+
+def _paper_config(tmp_path, **model):
+    source = yaml.safe_load((REPO / "configs" / "paper" / "llama2-7b-128k.yaml").read_text())
+    source["model"].update(model)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(source))
+    return path
+
+
+def test_plan_exit_status_names_the_fix(tmp_path, capsys):
+    fits = cli(["plan", "--config", str(REPO / "configs" / "paper" / "llama2-7b-128k.yaml"), "--gpus", "8",
+                "--gpu-memory", "80", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert fits == 0 and report["fits"] and report["total"] <= 80 * 2 ** 30
+    assert report["layout"] == {"gpus": 8, "tensor": 1, "pipeline": 1, "context": 8}
+    # the same run without activation recompute does not fit; the planner names the change that does
+    too_big = _paper_config(tmp_path, recompute="none", recompute_num_layers=None)
+    assert cli(["plan", "--config", str(too_big), "--gpus", "8", "--gpu-memory", "80"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "smallest change that fits: model.recompute=full model.recompute_num_layers=" in out
+    suggested = out.rsplit("model.recompute_num_layers=", 1)[1].split()[0]
+    assert cli(["plan", "--config", str(too_big), "--gpus", "8", "--gpu-memory", "80", "model.recompute=full",
+                f"model.recompute_num_layers={suggested}"]) == 0
+
+
+def test_plan_rejects_a_layout_that_does_not_divide_the_gpus(tmp_path):
+    with pytest.raises(ValueError, match="--gpus 6 is not a multiple of tensor x pipeline x context parallel size"):
+        cli(["plan", "--config", str(REPO / "configs" / "paper" / "llama2-7b-128k.yaml"), "--gpus", "6",
+             "--gpu-memory", "80"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "paper").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_paper_config_fits_the_papers_hardware(path):
+    assert cli(["plan", "--config", str(path), "--gpus", "8", "--gpu-memory", "80"]) == 0
