@@ -24,7 +24,10 @@ def _import(module_name: str) -> tuple[ModuleType | None, str | None]:
 def flash_attn_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
     """``flash_attn.flash_attn_varlen_func`` (flash-attn 2), or None and why it is unavailable."""
     module, reason = _import("flash_attn")
-    return (module.flash_attn_varlen_func, None) if module is not None else (None, reason)
+    if module is None:
+        return None, reason
+    kernel = getattr(module, "flash_attn_varlen_func", None)  # flash-attn 4 ships only flash_attn.cute
+    return (kernel, None) if kernel is not None else (None, "flash_attn has no flash_attn_varlen_func (not flash-attn 2)")
 
 
 def transformer_engine_pytorch() -> tuple[ModuleType | None, str | None]:

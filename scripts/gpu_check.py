@@ -289,11 +289,12 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
 def training(quick: bool, mean_doc: int) -> list[dict]:
     tokens, steps = (4096, 5) if quick else (16384, 20)
     rows = []
-    try:
-        import megatron.core  # noqa: F401
-    except Exception as error:  # noqa: BLE001
-        return [{"run": "training", "status": f"skipped: megatron-core does not import ({type(error).__name__}: "
-                 f"{error}); bring it with ../shared/gpu/fetch_wheels.sh"}]
+    for module in ("megatron.core", "omegaconf"):  # the engine's and the run config's
+        try:
+            __import__(module)
+        except Exception as error:  # noqa: BLE001
+            return [{"run": "training", "status": f"skipped: {module} does not import ({type(error).__name__}: "
+                     f"{error}); bring its wheels (../shared/gpu/README.md)"}]
     for attention_type in ("anchor", "full"):
         run = f"{attention_type}, {tokens} tokens, 1 GPU"
         try:
