@@ -1,4 +1,4 @@
-"""The one place where the optional GPU packages (flash-attn, Transformer Engine) are imported.
+"""The one place where the optional GPU kernels (flash-attn, Transformer Engine, torch's varlen) are imported.
 
 Imports are lazy and cached. They are guarded with ``except Exception`` rather than
 ``ImportError``: a CPU-only transformer-engine raises RuntimeError at import time, and a
@@ -24,9 +24,21 @@ def _import(module_name: str) -> tuple[ModuleType | None, str | None]:
 def flash_attn_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
     """``flash_attn.flash_attn_varlen_func`` (flash-attn 2), or None and why it is unavailable."""
     module, reason = _import("flash_attn")
-    return (module.flash_attn_varlen_func, None) if module is not None else (None, reason)
+    if module is None:
+        return None, reason
+    kernel = getattr(module, "flash_attn_varlen_func", None)  # flash-attn 4 ships only flash_attn.cute
+    return (kernel, None) if kernel is not None else (None, "flash_attn has no flash_attn_varlen_func (not flash-attn 2)")
 
 
 def transformer_engine_pytorch() -> tuple[ModuleType | None, str | None]:
     """The ``transformer_engine.pytorch`` module, or None and why it is unavailable."""
     return _import("transformer_engine.pytorch")
+
+
+def torch_varlen_attn() -> tuple[Callable[..., Any] | None, str | None]:
+    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA only), or None and why it is unavailable."""
+    module, reason = _import("torch.nn.attention.varlen")
+    if module is None:
+        return None, reason
+    kernel = getattr(module, "varlen_attn", None)
+    return (kernel, None) if kernel is not None else (None, "torch.nn.attention.varlen has no varlen_attn")

@@ -7,6 +7,7 @@ the real kernels are exercised only where CUDA is available.
 """
 from __future__ import annotations
 
+import importlib
 import types
 from dataclasses import dataclass, replace
 
@@ -267,10 +268,13 @@ def test_varlen_plan_without_anchors_slices_keys_without_copying():
 # --- the real kernels -----------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["flash", "te"])
+@pytest.mark.parametrize("backend", ["torch_varlen", "flex", "flash", "te"])
 def test_real_gpu_kernels_match_reference(backend):
     problem = Problem((0, 100, 101, 300, 512), (0, 300, 512), "anchor", 2, 2, 64, 0, 512, seed=0)
     q, k, v = (x.detach().cuda().requires_grad_() for x in problem.tensors(torch.bfloat16))
+    reason = importlib.import_module(f"nemo_anchor.attention.{backend}").unavailable_reason(q, True)
+    if reason is not None:
+        pytest.skip(reason)
     boundaries = {key: (x.cuda() if isinstance(x, torch.Tensor) else x) for key, x in problem.boundaries().items()}
     results = []
     for name in (backend, "reference"):

@@ -1,12 +1,16 @@
 """FlexAttention backend: one BlockMask per layout, built from the layout and reused.
 
 The block mask is derived from the query blocks directly instead of by ``create_block_mask``,
-which either evaluates the mask on the whole T x T grid (eager) or compiles it first (8 s for
-an 8K window here). A (query tile, key tile) pair is *full* when every query of the tile sees
-every key of the tile, *partial* when some do (the mask_mod is then applied), otherwise skipped.
-The per-layout cache makes all layers and heads of a step share one mask.
+which either evaluates the mask on the whole T x T grid (eager: memory grows as T squared)
+or compiles it first (8 s for an 8K window on the CPU). The derived mask has exactly the tiles
+``create_block_mask(..., _compile=True)`` finds (tested on the CPU; ``scripts/gpu_check.py``
+compares the two on CUDA) and costs a few small tensor ops per layout. A (query tile, key tile)
+pair is *full* when every query of the tile sees every key of the tile, *partial* when some do
+(the mask_mod is then applied), otherwise skipped. The per-layout cache makes all layers and
+heads of a step share one mask.
 
-torch 2.13 implements no FlexAttention backward on the CPU: there this backend is forward only.
+``flex_attention`` runs compiled (Triton on CUDA: forward and backward). torch 2.13 implements
+no FlexAttention backward on the CPU: there this backend is forward only.
 """
 from __future__ import annotations
 

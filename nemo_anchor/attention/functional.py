@@ -10,9 +10,10 @@ from nemo_anchor.attention.layout import MODES, layout_blocks
 
 # each backend is the module nemo_anchor.attention.<name>, imported on first use, with
 # `unavailable_reason(q, needs_grad) -> str | None` and `attention(q, k, v, blocks, q_offset, scale)`
-BACKENDS = ("auto", "reference", "cpu", "flex", "flash", "te")
-# "auto" takes the first that can run: the GPU kernels, then ours on the CPU, then the oracle
-_AUTO_ORDER = ("flash", "te", "cpu", "flex", "reference")
+BACKENDS = ("auto", "reference", "cpu", "flex", "torch_varlen", "flash", "te")
+# "auto" takes the first that can run: the GPU kernels (torch's own first: it needs no extra
+# package), then ours on the CPU, then FlexAttention (any device; CUDA in fp32), then the oracle
+_AUTO_ORDER = ("torch_varlen", "flash", "te", "cpu", "flex", "reference")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -54,11 +55,14 @@ def anchor_attention(
             ``"reference"``: dense mask, fp32 softmax, any device; O(Tq * T) memory: the test oracle.
             ``"cpu"``: torch's CPU flash kernel per document, the anchor merged through the
             log-sum-exp; O(T * H * D) memory. CPU tensors.
-            ``"flex"``: FlexAttention with a block mask built once per layout. On the CPU torch has
-            no FlexAttention backward: forward only.
+            ``"flex"``: compiled FlexAttention with a block mask built once per layout; forward and
+            backward on CUDA. On the CPU torch has no FlexAttention backward: forward only.
+            ``"torch_varlen"``: one call of torch's FlashAttention-2 ``varlen_attn`` (torch >= 2.10;
+            CUDA, fp16/bf16), the anchor gathered into each document's keys.
             ``"flash"``: one flash-attn 2 ``flash_attn_varlen_func`` call (CUDA, fp16/bf16).
             ``"te"``: Transformer Engine ``DotProductAttention``, THD, bottom-right causal (CUDA).
-            ``"auto"``: the first of flash, te, cpu, flex, reference that can run these inputs.
+            ``"auto"``: the first of torch_varlen, flash, te, cpu, flex, reference that can run
+            these inputs (on a GPU: torch_varlen in fp16/bf16, flex in fp32; on the CPU: cpu).
         softmax_scale: scale of ``q @ k^T``; default ``D ** -0.5``. Softmax statistics are fp32
             whatever the input dtype.
         q_offset: the rows of q are the tokens at packed positions ``[q_offset, q_offset + Tq)``

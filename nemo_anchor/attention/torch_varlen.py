@@ -1,0 +1,92 @@
+"""torch's own FlashAttention-2 varlen kernel: the whole packed sequence in one ``varlen_attn`` call.
+
+``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA only) needs no extra package.
+The sequences are those of the flash-attn backend (:class:`nemo_anchor.attention.layout.VarlenPlan`,
+built once per layout and cached, so every layer of a step reuses it): one per query block,
+its keys/values the window anchor's (where the block has one) followed by the block's own.
+``window_size=(-1, 0)`` is causal with the mask aligned to the bottom right when a sequence
+has more keys than queries, so each query sees the anchor and its own causal prefix.
+
+The anchor is gathered into the keys rather than merged afterwards through the log-sum-exp
+(as the ``cpu`` backend does): ``varlen_attn``'s backward ignores the gradient of the
+log-sum-exp it returns, so a merge through it would get wrong gradients.
+
+The keyword arguments changed between torch releases (``is_causal`` before ``window_size``,
+``scale`` and ``enable_gqa`` added later); :func:`kernel_arguments` adapts the call to the
+installed signature. Grouped-query heads are never expanded: FlashAttention-2 reads key/value
+head ``h // (Hq // Hkv)`` for query head ``h`` natively, ``enable_gqa`` only lifts the wrapper's
+head-count check where it has one.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from nemo_anchor import gpu
+from nemo_anchor.attention.layout import varlen_plan
+
+_MAX_HEAD_DIM = 256
+_MIN_CAPABILITY = (8, 0)  # FlashAttention-2: Ampere or newer
+
+
+def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
+    kernel, reason = gpu.torch_varlen_attn()
+    if kernel is None:
+        return reason
+    if not q.is_cuda:
+        return f"torch's varlen_attn runs on CUDA tensors only, got device {q.device}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"torch's varlen_attn (FlashAttention-2) supports float16 and bfloat16 only, got {q.dtype}"
+    head_dim = q.shape[-1]
+    if head_dim > _MAX_HEAD_DIM or head_dim % 8:
+        return f"torch's varlen_attn needs head_dim a multiple of 8 and <= {_MAX_HEAD_DIM}, got {head_dim}"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability < _MIN_CAPABILITY:
+        return f"torch's varlen_attn (FlashAttention-2) needs compute capability >= 8.0, got {capability}"
+    return None
+
+
+@functools.cache
+def _parameters(kernel: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+def kernel_arguments(kernel: Callable[..., Any], scale: float, head_dim: int, grouped: bool) -> tuple[dict, float]:
+    """Keyword arguments of a causal call to this torch's ``varlen_attn``, and a factor for q.
+
+    The factor is 1.0 where the kernel takes ``scale``; where it does not (torch 2.10), the kernel
+    scales by ``head_dim ** -0.5`` and q is multiplied by the factor to get ``scale``.
+
+    Raises:
+        RuntimeError: the kernel takes neither ``window_size`` nor ``is_causal``.
+    """
+    parameters = _parameters(kernel)
+    if "window_size" in parameters:
+        keywords: dict = {"window_size": (-1, 0)}  # a tuple: the wrapper compares it with (-1, 0)
+    elif "is_causal" in parameters:
+        keywords = {"is_causal": True}
+    else:
+        raise RuntimeError(f"torch's varlen_attn{inspect.signature(kernel)} takes neither window_size nor is_causal")
+    factor = 1.0
+    if "scale" in parameters:
+        keywords["scale"] = scale
+    else:
+        factor = scale * head_dim**0.5
+    if grouped and "enable_gqa" in parameters:
+        keywords["enable_gqa"] = True
+    return keywords, factor
+
+
+def attention(q, k, v, blocks, q_offset, scale):
+    kernel, _ = gpu.torch_varlen_attn()
+    plan = varlen_plan(blocks, q.device)
+    keywords, factor = kernel_arguments(kernel, scale, q.shape[-1], q.shape[1] != k.shape[1])
+    if factor != 1.0:
+        q = q * factor
+    return kernel(
+        q, k[plan.kv_rows], v[plan.kv_rows], plan.cu_seqlens_q, plan.cu_seqlens_k,
+        plan.max_seqlen_q, plan.max_seqlen_k, **keywords,
+    )

@@ -1,0 +1,229 @@
+"""The parts of ``scripts/gpu_check.py`` that need no GPU: layouts, the tolerance rule, work counts, tables.
+
+- :func:`lognormal_documents` and :func:`conformance_cases` plan the packed layouts;
+- :func:`low_precision_attention` is the "plain low-precision PyTorch implementation" of the
+  acceptance rule, and :func:`compare` applies the rule (flash-attn's own): a backend's error
+  against the fp32 reference may be at most twice that implementation's, plus a small atol;
+- :func:`kept_pairs` and :func:`attention_tflops` count the useful work of a mask;
+- :func:`markdown_report` and :func:`failure_lines` render a results dict.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from nemo_anchor.attention.layout import query_blocks
+from nemo_anchor.attention.reference import dense_mask
+
+ATOL = 1e-3  # relative to max(1, |reference|): the "small atol" of the acceptance rule
+FLOPS_PER_PAIR_FORWARD = 4  # per head and head_dim unit: q.k and p.v, a multiply and an add each
+BACKWARD_FACTOR = 2.5  # forward+backward = 3.5x forward, FlashAttention's convention
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when a CUDA device can run kernels, else why not (one line)."""
+    if not torch.cuda.is_available():
+        built = torch.version.cuda or "none (a CPU build)"
+        return f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {built})"
+    return None
+
+
+def lognormal_documents(total: int, seed: int, mean_tokens: float, sigma: float = 1.0) -> tuple[int, ...]:
+    """Document boundaries ``(0, ..., total)``: seeded log-normal lengths of mean ``mean_tokens``, the last cut to fit."""
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean_tokens) - sigma**2 / 2
+    bounds = [0]
+    while bounds[-1] < total:
+        bounds.append(min(total, bounds[-1] + max(1, int(rng.lognormal(mu, sigma)))))
+    return tuple(bounds)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance problem: a packed layout, a mask mode and head shapes."""
+
+    name: str
+    doc_bounds: tuple[int, ...]
+    window_bounds: tuple[int, ...]
+    mode: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_offset: int
+    q_len: int
+    seed: int
+
+    @property
+    def total(self) -> int:
+        return self.doc_bounds[-1]
+
+
+def _with_one_token_documents(bounds: tuple[int, ...], rng: np.random.Generator, count: int) -> tuple[int, ...]:
+    """``bounds`` with ``count`` extra 1-token documents cut from the starts of random documents."""
+    inner = set(bounds)
+    for start in rng.choice(np.array(bounds[:-1]), size=min(count, len(bounds) - 1), replace=False):
+        if start + 1 < bounds[-1]:
+            inner.add(int(start) + 1)
+    return tuple(sorted(inner))
+
+
+def _windows(bounds: tuple[int, ...], total: int, count: int) -> tuple[int, ...]:
+    """``count`` windows cut at the document boundaries nearest to equal shares of ``total``."""
+    cuts = {min(bounds, key=lambda b: abs(b - total * i // count)) for i in range(1, count)}
+    return tuple(sorted({0, total} | (cuts - {0, total})))
+
+
+HEAD_SHAPES = ((8, 2, 128), (4, 4, 64))  # (query heads, key/value heads, head_dim): grouped-query and plain
+
+
+def conformance_cases(total: int, seed: int = 0, head_shapes=HEAD_SHAPES) -> list[Case]:
+    """Random packed layouts of ``total`` tokens for every mode.
+
+    Each head shape of ``head_shapes``, 1-token documents, one to four windows, and a
+    context-parallel style query chunk (``q_offset``, first head shape). All share ``total`` so
+    that compiled kernels (flex) see few distinct shapes.
+    """
+    rng = np.random.default_rng(seed)
+    docs = lognormal_documents(total, seed, mean_tokens=total / 8)
+    docs_short = _with_one_token_documents(lognormal_documents(total, seed + 1, mean_tokens=total / 16), rng, 4)
+    layouts = {  # name -> (doc_bounds, window_bounds)
+        "1 window": (docs, (0, total)),
+        "4 windows, 1-token docs": (docs_short, _windows(docs_short, total, 4)),
+        "2 windows, BOS-only first doc": ((0, 1, *[b for b in docs_short if b > 1]), _windows(docs_short, total, 2)),
+    }
+    cases = []
+    for mode in ("anchor", "intra_doc", "full"):
+        for layout, (doc_bounds, window_bounds) in layouts.items():
+            for h, hkv, d in head_shapes:
+                cases.append(Case(f"{layout}, {h}/{hkv} heads, d={d}", doc_bounds, window_bounds, mode, h, hkv, d,
+                                  0, total, seed=len(cases)))
+        doc_bounds, window_bounds = layouts["4 windows, 1-token docs"]
+        h, hkv, d = head_shapes[0]
+        cases.append(Case(f"4 windows, queries [T/2, 3T/4) (a context-parallel chunk), {h}/{hkv} heads, d={d}",
+                          doc_bounds, window_bounds, mode, h, hkv, d, total // 2, total // 4, seed=len(cases)))
+    return cases
+
+
+def case_blocks(case: Case):
+    return query_blocks(case.doc_bounds, case.window_bounds, case.mode, case.q_offset, case.q_len)
+
+
+def low_precision_attention(q, k, v, blocks, q_offset: int, scale: float) -> torch.Tensor:
+    """Plain PyTorch attention in the inputs' dtype (scores, softmax output and p @ v rounded to it).
+
+    The baseline of the acceptance rule: what a straightforward bf16/fp16 implementation errs by.
+    ``q [Tq, Hq, D]``, ``k, v [T, Hkv, D]`` -> ``[Tq, Hq, D]``; differentiable; O(Tq * T * Hq) memory.
+    """
+    group = q.shape[1] // k.shape[1]
+    keys, values = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+    scores = scores.masked_fill(~dense_mask(blocks, q_offset, k.shape[0], q.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.float().softmax(-1).to(q.dtype), values)
+
+
+def compare(name: str, actual: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor) -> dict:
+    """flash-attn's acceptance rule for one tensor: ``|actual - ref| <= 2 |baseline - ref| + atol`` (max norms)."""
+    ref = reference.float()
+    error = (actual.float() - ref).abs().max().item()
+    baseline_error = (baseline.float() - ref).abs().max().item()
+    atol = ATOL * max(1.0, ref.abs().max().item())
+    bound = 2 * baseline_error + atol
+    return {"tensor": name, "error": error, "baseline_error": baseline_error, "bound": bound,
+            "ok": bool(math.isfinite(error) and error <= bound)}
+
+
+def kept_pairs(doc_bounds: tuple[int, ...], window_bounds: tuple[int, ...], mode: str) -> int:
+    """The (query, key) pairs the mask keeps over a whole pack (causal, the anchor counted once per query)."""
+    pairs = 0
+    for block in query_blocks(tuple(doc_bounds), tuple(window_bounds), mode, 0, doc_bounds[-1]):
+        n, before = block.end - block.start, block.start - block.key_start
+        pairs += n * (n + 1) // 2 + n * before + n * (block.anchor is not None)
+    return pairs
+
+
+def attention_tflops(pairs: int, heads: int, head_dim: int, seconds: float, backward: bool) -> float:
+    """Achieved TFLOP/s counting only the kept pairs."""
+    flops = FLOPS_PER_PAIR_FORWARD * head_dim * heads * pairs * (1 + BACKWARD_FACTOR * backward)
+    return flops / seconds / 1e12
+
+
+def case_record(case: Case) -> dict:
+    record = asdict(case)
+    record["doc_bounds"] = f"{len(case.doc_bounds) - 1} docs"
+    record["window_bounds"] = list(case.window_bounds)
+    return record
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    def cell(x):
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.0f}"
+        return str(x).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown_report(results: dict) -> str:
+    """The results of ``scripts/gpu_check.py`` as markdown: a header and one table per section."""
+    out = ["# gpu_check", ""]
+    if results.get("skipped"):
+        return "\n".join(out + [f"Skipped: {results['skipped']}", ""])
+    env = results.get("environment", {})
+    out += [", ".join(f"{k}: {v}" for k, v in env.items()), ""]
+    conformance = results.get("conformance", [])
+    if conformance:
+        out += ["## Conformance (error vs fp32 reference; bound = 2 x plain low-precision error + atol)", ""]
+        rows = []
+        for r in conformance:
+            if "tensors" in r:
+                worst = max(r["tensors"], key=lambda t: t["error"] / t["bound"] if t["bound"] else math.inf)
+                status = "ok" if all(t["ok"] for t in r["tensors"]) else f"FAIL ({worst['tensor']})"
+                rows.append([r["backend"], r["dtype"], r["mode"], r["case"], status,
+                             worst["tensor"], worst["error"], worst["bound"]])
+            else:
+                rows.append([r["backend"], r.get("dtype", "-"), r.get("mode", "-"), r.get("case", "-"),
+                             r["status"], "-", "-", "-"])
+        out += [_table(["backend", "dtype", "mode", "case", "status", "worst", "error", "bound"], rows), ""]
+    speed = results.get("speed", [])
+    if speed:
+        out += ["## Speed (one packed window; TFLOP/s count kept pairs only; x SDPA = SDPA time / time)", ""]
+        rows = [[r["tokens"], r.get("documents", "-"), r["method"], r["status"], r.get("fwd_ms", "-"),
+                 r.get("fwd_tflops", "-"), r.get("speedup_fwd", "-"), r.get("fwd_bwd_ms", "-"),
+                 r.get("fwd_bwd_tflops", "-"), r.get("speedup_fwd_bwd", "-"), r.get("peak_gib", "-")] for r in speed]
+        out += [_table(["tokens", "docs", "method", "status", "fwd ms", "fwd TFLOP/s", "x SDPA fwd", "fwd+bwd ms",
+                        "fwd+bwd TFLOP/s", "x SDPA fwd+bwd", "peak GiB (allocated)"], rows), ""]
+    training = results.get("training", [])
+    if training:
+        out += ["## Training (small Llama-shaped model, bf16, the trainer's engine)", ""]
+        rows = [[r["run"], r["status"], r.get("backend", "-"), r.get("tokens_per_s", "-"), r.get("peak_gib", "-"),
+                 r.get("loss_first", "-"), r.get("loss_last", "-"), r.get("loss_falling", "-")] for r in training]
+        out += [_table(["run", "status", "attention backend", "tokens/s", "peak GiB", "first loss", "last loss",
+                        "loss falling"], rows), ""]
+    failures = failure_lines(results)
+    out += ["## Failures", ""] + ([f"- {line}" for line in failures] or ["none"]) + [""]
+    return "\n".join(out)
+
+
+def failure_lines(results: dict) -> list[str]:
+    """One line per failed check of a results dict."""
+    lines = []
+    for r in results.get("conformance", []):
+        if "tensors" in r:
+            for t in r["tensors"]:
+                if not t["ok"]:
+                    lines.append(f"conformance {r['backend']} {r['dtype']} {r['mode']} [{r['case']}] {t['tensor']}: "
+                                 f"error {t['error']:.3g} > bound {t['bound']:.3g}")
+        elif r["status"].startswith("FAIL"):
+            lines.append(f"conformance {r['backend']} {r.get('dtype', '')} {r.get('mode', '')} "
+                         f"[{r.get('case', '')}]: {r['status']}")
+    for section in ("speed", "training"):
+        for r in results.get(section, []):
+            if r["status"].startswith("FAIL"):
+                what = f"{r['tokens']} tokens {r['method']}" if section == "speed" else r["run"]
+                lines.append(f"{section} {what}: {r['status']}")
+    return lines

@@ -1,0 +1,392 @@
+"""Check a CUDA machine end to end: backend conformance, attention speed, training steps.
+
+    python scripts/gpu_check.py [--quick] [--output DIR]
+
+1. conformance: every backend that can run (torch_varlen, flex, flash, te, reference) against the
+   fp32 reference on random packed layouts (anchor, intra_doc, full; grouped-query heads; 1-token
+   documents; several windows; a context-parallel query chunk), outputs and q/k/v gradients, bf16
+   and fp16, with flash-attn's acceptance rule (error at most twice that of a plain low-precision
+   PyTorch implementation, plus a small atol); and flex's block mask against
+   ``create_block_mask(..., _compile=True)``;
+2. speed: forward and forward+backward of anchor attention per backend against full-causal SDPA
+   (flash) on one packed window of 8K, 32K and 128K tokens (log-normal documents, 32 heads, 8 KV
+   heads, head dim 128, bf16): milliseconds, TFLOP/s over the kept (query, key) pairs, peak memory;
+3. training: 20 steps of a small Llama-shaped model at 16K tokens in bf16 through the trainer's
+   engine, attention_type anchor and full: tokens/s, peak memory, loss falling; a context-parallel
+   run (torchrun, cp=2) when 2 or more GPUs are visible.
+
+Writes DIR/gpu_check.json and DIR/gpu_check.md, prints the table and one line per failure; the
+exit status is 1 when something failed. Without CUDA it says why and exits 0 (skipped).
+``--quick`` shrinks every section (smaller layouts, 8K/32K only, 5 steps at 4K).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nemo_anchor import gpu_check as check
+from nemo_anchor.data.atomic import atomic_file
+
+BACKENDS = ("torch_varlen", "flex", "flash", "te", "reference")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _fail(error: BaseException) -> str:
+    return f"FAIL: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+
+
+# --- 1. conformance -----------------------------------------------------------------------------
+
+def _inputs(case: check.Case, device):
+    g = torch.Generator(device="cpu").manual_seed(case.seed)
+    q = torch.randn(case.q_len, case.heads, case.head_dim, generator=g)
+    k, v = (torch.randn(case.total, case.kv_heads, case.head_dim, generator=g) for _ in range(2))
+    grad = torch.randn(case.q_len, case.heads, case.head_dim, generator=g)
+    return [x.to(device) for x in (q, k, v, grad)]
+
+
+def _run(fn, inputs, grad, dtype):
+    leaves = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad.to(dtype))]
+
+
+def conformance(quick: bool, device) -> list[dict]:
+    from nemo_anchor.attention import anchor_attention
+    from nemo_anchor.attention.functional import _backend_module
+
+    cases = check.conformance_cases(1024 if quick else 4096, head_shapes=check.HEAD_SHAPES[:1] if quick
+                                    else check.HEAD_SHAPES)
+    rows = []
+    for case in cases:
+        q, k, v, grad = _inputs(case, device)
+        blocks = check.case_blocks(case)
+        scale = case.head_dim ** -0.5
+        bounds = dict(cu_seqlens=torch.tensor(case.doc_bounds, dtype=torch.int32, device=device),
+                      cu_windows=torch.tensor(case.window_bounds, dtype=torch.int32, device=device),
+                      mode=case.mode, q_offset=case.q_offset)
+        reference = _run(lambda *x: anchor_attention(*x, backend="reference", **bounds), (q, k, v), grad, torch.float32)
+        for dtype_name, dtype in DTYPES.items():
+            baseline = _run(lambda *x: check.low_precision_attention(*x, blocks, case.q_offset, scale),
+                            (q, k, v), grad, dtype)
+            for backend in BACKENDS:
+                row = {"backend": backend, "dtype": dtype_name, "mode": case.mode, "case": case.name}
+                reason = _backend_module(backend).unavailable_reason(q.to(dtype), True)
+                if reason is not None:
+                    rows.append({**row, "status": f"skipped: {reason}"})
+                    continue
+                try:
+                    actual = _run(lambda *x: anchor_attention(*x, backend=backend, **bounds), (q, k, v), grad, dtype)
+                    rows.append({**row, "tensors": [check.compare(name, a, b, r) for name, a, b, r in
+                                                    zip(("out", "dq", "dk", "dv"), actual, baseline, reference)]})
+                except Exception as error:  # noqa: BLE001 - reported, the check goes on
+                    rows.append({**row, "status": _fail(error)})
+        rows.extend(_flex_tiles(case, blocks, device))
+    return _deduplicated_skips(rows)
+
+
+def _flex_tiles(case: check.Case, blocks, device) -> list[dict]:
+    """flex's derived block mask against create_block_mask(..., _compile=True) on this device (bf16 only)."""
+    if case.heads != check.HEAD_SHAPES[0][0]:
+        return []
+    row = {"backend": "flex block mask", "dtype": "-", "mode": case.mode, "case": case.name}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from nemo_anchor.attention import flex
+
+        ours = flex.block_mask(blocks, case.q_offset, case.total, device)
+        theirs = create_block_mask(ours.mask_mod, None, None, case.q_len, case.total, device=device,
+                                   BLOCK_SIZE=flex.TILE, _compile=True)
+        same = all(torch.equal(_dense_tiles(*a), _dense_tiles(*b)) for a, b in (
+            ((ours.kv_num_blocks, ours.kv_indices), (theirs.kv_num_blocks, theirs.kv_indices)),
+            ((ours.full_kv_num_blocks, ours.full_kv_indices), (theirs.full_kv_num_blocks, theirs.full_kv_indices))))
+        status = "ok: same tiles as create_block_mask(_compile=True)" if same else "FAIL: tiles differ from create_block_mask"
+    except Exception as error:  # noqa: BLE001
+        status = _fail(error)
+    return [{**row, "status": status}]
+
+
+def _dense_tiles(counts, indices) -> torch.Tensor:
+    counts, indices = counts[0, 0].cpu(), indices[0, 0].cpu().long()
+    out = torch.zeros(indices.shape[0], indices.shape[1] + 1, dtype=torch.bool)
+    for row, n in enumerate(counts.tolist()):
+        out[row, indices[row, :n]] = True
+    return out[:, :-1]
+
+
+def _deduplicated_skips(rows: list[dict]) -> list[dict]:
+    """One row per skipped backend and reason instead of one per case and dtype."""
+    seen, kept = set(), []
+    for row in rows:
+        if row.get("status", "").startswith("skipped"):
+            key = (row["backend"], row["status"])
+            if key in seen:
+                continue
+            seen.add(key)
+            row = {**row, "dtype": "all", "mode": "all", "case": "all"}
+        kept.append(row)
+    return kept
+
+
+# --- 2. speed -----------------------------------------------------------------------------------
+
+def _time_ms(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def speed(quick: bool, device, mean_doc: int) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nemo_anchor.attention import anchor_attention
+    from nemo_anchor.attention.functional import _backend_module
+
+    heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    warmup, repeats = (2, 3) if quick else (3, 10)
+    rows = []
+    for tokens in ((8192, 32768) if quick else (8192, 32768, 131072)):
+        docs = check.lognormal_documents(tokens, seed=tokens, mean_tokens=mean_doc)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q = torch.randn(tokens, heads, head_dim, generator=g).to(device, dtype).requires_grad_()
+        k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
+        grad = torch.randn_like(q)
+        cu = dict(cu_seqlens=torch.tensor(docs, dtype=torch.int32, device=device),
+                  cu_windows=torch.tensor([0, tokens], dtype=torch.int32, device=device))
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1)
+
+        methods = {"full-causal SDPA (flash)": ("full", sdpa)}
+        for backend in BACKENDS[:-1]:  # the dense reference would need T^2 memory
+            reason = _backend_module(backend).unavailable_reason(q, True)
+            methods[f"anchor_attention {backend}"] = ("anchor", reason or (
+                lambda b=backend: anchor_attention(q, k, v, mode="anchor", backend=b, **cu)))
+        sdpa_ms = None
+        for method, (mode, fn) in methods.items():
+            row = {"tokens": tokens, "documents": len(docs) - 1, "method": method}
+            if isinstance(fn, str):
+                rows.append({**row, "status": f"skipped: {fn}"})
+                continue
+            pairs = check.kept_pairs((0, tokens), (0, tokens), "full") if mode == "full" else \
+                check.kept_pairs(docs, (0, tokens), mode)
+            try:
+                torch._dynamo.reset()  # a fresh compile budget for flex at this shape
+                with torch.no_grad():
+                    fwd = _time_ms(fn, warmup, repeats)
+                train = _time_ms(lambda: fn().backward(grad), warmup, repeats)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                fn().backward(grad)
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                sdpa_ms = (fwd, train) if mode == "full" else sdpa_ms
+                rows.append({**row, "status": "ok", "kept_pairs": pairs, "fwd_ms": fwd, "fwd_bwd_ms": train,
+                             "fwd_tflops": check.attention_tflops(pairs, heads, head_dim, fwd / 1e3, backward=False),
+                             "fwd_bwd_tflops": check.attention_tflops(pairs, heads, head_dim, train / 1e3, backward=True),
+                             "speedup_fwd": sdpa_ms[0] / fwd if sdpa_ms else "-",
+                             "speedup_fwd_bwd": sdpa_ms[1] / train if sdpa_ms else "-", "peak_gib": peak})
+            except Exception as error:  # noqa: BLE001
+                rows.append({**row, "status": _fail(error)})
+            finally:
+                q.grad = k.grad = v.grad = None
+        del q, k, v, grad
+        torch.cuda.empty_cache()
+    return rows
+
+
+# --- 3. training ----------------------------------------------------------------------------------
+
+def _training_batch(tokens: int, vocab: int, mean_doc: int, seed: int) -> dict:
+    """One packed window of learnable documents: BOS, then a walk along a fixed random permutation
+    of the vocabulary (90% of steps) with random jumps, so the loss can fall within a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    docs = check.lognormal_documents(tokens, seed, mean_tokens=mean_doc)
+    successor = torch.randperm(vocab - 1, generator=g) + 1
+    ids = torch.empty(tokens, dtype=torch.long)
+    for start, end in zip(docs, docs[1:]):
+        ids[start] = 0  # BOS
+        current = int(torch.randint(1, vocab, (1,), generator=g))
+        for i in range(start + 1, end):
+            ids[i] = current
+            jump = torch.rand(1, generator=g).item() < 0.1
+            current = int(torch.randint(1, vocab, (1,), generator=g)) if jump else int(successor[current - 1])
+    return dict(tokens=ids[None], labels=ids.roll(-1)[None], loss_mask=torch.ones(1, tokens),
+                position_ids=torch.arange(tokens)[None], cu_seqlens=torch.tensor(docs, dtype=torch.int32),
+                cu_windows=torch.tensor([0, tokens], dtype=torch.int32))
+
+
+def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, mean_doc: int) -> dict:
+    """``steps`` optimizer steps on one window through build_engine/train_step; this rank's numbers."""
+    from megatron.core import parallel_state
+
+    from nemo_anchor.attention.functional import _select_backend
+    from nemo_anchor.model.config import ModelConfig
+    from nemo_anchor.parallel.context_parallel import shard_batch
+    from nemo_anchor.parallel.distributed import initialize_parallel
+    from nemo_anchor.training.config import OptimConfig, RunConfig, TrainerConfig
+    from nemo_anchor.training.engine import build_engine, train_step
+
+    vocab = 2048
+    config = RunConfig(
+        output_dir="unused",
+        model=ModelConfig(attention_type=attention_type, seq_length=tokens, num_layers=4, hidden_size=512,
+                          ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=2,
+                          context_parallel_size=context_parallel),
+        trainer=TrainerConfig(precision="bf16", global_batch_size=1, micro_batch_size=1, max_steps=steps),
+        optim=OptimConfig(lr=1e-3, warmup_steps=0)).validate()
+    ctx = initialize_parallel(context_parallel_size=context_parallel)
+    engine = build_engine(config, ctx, vocab)
+    batch = _training_batch(tokens, vocab, mean_doc, seed=0)
+    if context_parallel > 1:
+        batch = shard_batch(batch, parallel_state.get_context_parallel_group(), attention_type)
+    batch = {key: value.to(ctx.device) for key, value in batch.items()}
+    probe = torch.zeros(1, 8, 64, dtype=torch.bfloat16, device=ctx.device)
+    backend = _select_backend(config.model.attention_backend, probe, True).__name__.rsplit(".", 1)[-1]
+    torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(train_step(engine, config, [batch])["loss"])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    step_s = sorted(times[2:] or times)[len(times[2:] or times) // 2]  # the median after two warm-up steps
+    head, tail = losses[:3], losses[-3:]
+    result = {"status": "ok", "backend": backend, "steps": steps, "tokens": tokens, "step_s": step_s,
+              "tokens_per_s": tokens / step_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
+              "loss_falling": sum(tail) / len(tail) < sum(head) / len(head)}
+    if not result["loss_falling"]:
+        result["status"] = "FAIL: the loss did not fall"
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
+def training(quick: bool, mean_doc: int) -> list[dict]:
+    tokens, steps = (4096, 5) if quick else (16384, 20)
+    rows = []
+    for module in ("megatron.core", "omegaconf"):  # the engine's and the run config's
+        try:
+            __import__(module)
+        except Exception as error:  # noqa: BLE001
+            return [{"run": "training", "status": f"skipped: {module} does not import ({type(error).__name__}: "
+                     f"{error}); bring its wheels (../shared/gpu/README.md)"}]
+    for attention_type in ("anchor", "full"):
+        run = f"{attention_type}, {tokens} tokens, 1 GPU"
+        try:
+            rows.append({"run": run, **_train(attention_type, tokens, steps, 1, mean_doc)})
+        except Exception as error:  # noqa: BLE001
+            rows.append({"run": run, "status": _fail(error)})
+    gpus = torch.cuda.device_count()
+    run = f"anchor, {tokens} tokens, context parallel 2"
+    if gpus < 2:
+        rows.append({"run": run, "status": f"skipped: {gpus} GPU visible, context parallelism needs 2"})
+        return rows
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "--cp-worker", "--tokens", str(tokens), "--steps", str(steps), "--mean-doc", str(mean_doc)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        rows.append({"run": run, "status": f"FAIL: torchrun exit {done.returncode}: {tail}"[:300]})
+    else:
+        rows.append({"run": run, **json.loads(lines[-1])})
+    return rows
+
+
+def cp_worker(args) -> None:
+    import torch.distributed as dist
+
+    result = _train("anchor", args.tokens, args.steps, 2, args.mean_doc)
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+def environment() -> dict:
+    from nemo_anchor import gpu
+
+    kernel, reason = gpu.torch_varlen_attn()
+    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+            "gpus": torch.cuda.device_count(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "varlen_attn": f"varlen_attn{inspect.signature(kernel)}" if kernel else reason}
+
+
+def write_report(results: dict, output: Path) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    with atomic_file(output / "gpu_check.json") as tmp:
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+    with atomic_file(output / "gpu_check.md") as tmp:
+        tmp.write_text(check.markdown_report(results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller layouts, 8K/32K, 5 training steps at 4K")
+    parser.add_argument("--output", type=Path, default=Path("gpu_check_out"), help="where the JSON and markdown go")
+    parser.add_argument("--sections", nargs="+", choices=("conformance", "speed", "training"),
+                        default=["conformance", "speed", "training"])
+    parser.add_argument("--mean-doc", type=int, default=4096, help="mean document length (log-normal)")
+    parser.add_argument("--cp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.cp_worker:
+        cp_worker(args)
+        return 0
+    reason = check.cuda_unavailable_reason()
+    if reason is not None:
+        results = {"skipped": reason}
+        write_report(results, args.output)
+        print(f"gpu_check: skipped: {reason}")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = {"environment": environment(), "quick": args.quick}
+    sections = {"conformance": lambda: conformance(args.quick, device),
+                "speed": lambda: speed(args.quick, device, args.mean_doc),
+                "training": lambda: training(args.quick, args.mean_doc)}
+    for name in args.sections:
+        started = time.perf_counter()
+        try:
+            results[name] = sections[name]()
+        except Exception as error:  # noqa: BLE001 - one broken section must not hide the others
+            results[name] = [{"backend": name, "run": name, "tokens": "-", "method": name, "status": _fail(error)}]
+        print(f"gpu_check: {name} done in {time.perf_counter() - started:.0f} s", flush=True)
+        write_report(results, args.output)  # what is done survives a later crash
+    print(check.markdown_report(results))
+    failures = check.failure_lines(results)
+    for line in failures:
+        print(f"gpu_check FAILED: {line}")
+    print(f"gpu_check: {len(failures)} failure(s); results in {args.output}/gpu_check.json and gpu_check.md")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

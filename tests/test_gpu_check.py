@@ -1,0 +1,137 @@
+"""scripts/gpu_check.py on the CPU: its pure parts (nemo_anchor.gpu_check) and its clean skip without CUDA."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nemo_anchor import gpu_check as check
+from nemo_anchor.attention import MODES, anchor_attention
+from nemo_anchor.attention.layout import layout_blocks
+from nemo_anchor.attention.reference import dense_mask
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def test_lognormal_documents_tile_the_window_reproducibly():
+    bounds = check.lognormal_documents(32768, seed=3, mean_tokens=1024)
+    assert bounds[0] == 0 and bounds[-1] == 32768
+    assert all(b > a for a, b in zip(bounds, bounds[1:]))
+    assert bounds == check.lognormal_documents(32768, seed=3, mean_tokens=1024)
+    assert bounds != check.lognormal_documents(32768, seed=4, mean_tokens=1024)
+    assert 8 <= len(bounds) - 1 <= 128  # about 32 documents of mean 1024
+
+
+def test_conformance_cases_cover_what_the_issue_lists():
+    cases = check.conformance_cases(1024)
+    assert {c.mode for c in cases} == set(MODES)
+    assert any(c.heads != c.kv_heads for c in cases) and any(c.heads == c.kv_heads for c in cases)
+    assert any(c.q_offset > 0 for c in cases)
+    assert any(1 in [b - a for a, b in zip(c.doc_bounds, c.doc_bounds[1:])] for c in cases)  # 1-token documents
+    assert {len(c.window_bounds) - 1 for c in cases} >= {1, 2, 4}
+    assert any(c.doc_bounds[1] == 1 for c in cases)  # a window whose first document is the BOS alone
+    assert {c.total for c in cases} == {1024}
+    for c in cases:  # every layout is valid input of anchor_attention
+        layout_blocks(torch.tensor(c.doc_bounds), torch.tensor(c.window_bounds), c.mode, c.total, c.q_offset, c.q_len)
+
+
+@st.composite
+def layouts(draw):
+    lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=8))
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    windows = [0] + [b for b in bounds[1:-1] if draw(st.booleans())] + [bounds[-1]]
+    return tuple(bounds), tuple(windows), draw(st.sampled_from(MODES))
+
+
+@settings(max_examples=50, deadline=None)
+@given(layouts())
+def test_kept_pairs_count_the_reference_mask(layout):
+    bounds, windows, mode = layout
+    blocks = layout_blocks(torch.tensor(bounds), torch.tensor(windows), mode, bounds[-1], 0, bounds[-1])
+    assert check.kept_pairs(bounds, windows, mode) == int(dense_mask(blocks, 0, bounds[-1], CPU).sum())
+
+
+def test_kept_pairs_of_full_causal_and_the_tflops_arithmetic():
+    assert check.kept_pairs((0, 8192), (0, 8192), "full") == 8192 * 8193 // 2
+    # 4 flops per pair, head and head_dim unit forward; 3.5x that forward+backward
+    assert check.attention_tflops(10**9, heads=2, head_dim=128, seconds=0.5, backward=False) == pytest.approx(2.048)
+    assert check.attention_tflops(10**9, heads=2, head_dim=128, seconds=0.5, backward=True) == pytest.approx(2.048 * 3.5)
+
+
+def test_low_precision_attention_is_the_reference_in_fp32_and_rounds_in_bf16():
+    case = check.conformance_cases(256, head_shapes=((4, 2, 16),))[2]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(case.q_len, 4, 16, generator=g)
+    k, v = (torch.randn(case.total, 2, 16, generator=g) for _ in range(2))
+    blocks = check.case_blocks(case)
+    reference = anchor_attention(q, k, v, torch.tensor(case.doc_bounds, dtype=torch.int32),
+                                 cu_windows=torch.tensor(case.window_bounds, dtype=torch.int32), mode=case.mode,
+                                 backend="reference", softmax_scale=0.25)
+    plain = check.low_precision_attention(q, k, v, blocks, 0, 0.25)
+    torch.testing.assert_close(plain, reference, atol=1e-5, rtol=1e-5)
+    rounded = check.low_precision_attention(*(x.bfloat16() for x in (q, k, v)), blocks, 0, 0.25)
+    error = (rounded.float() - reference).abs().max().item()
+    assert rounded.dtype == torch.bfloat16 and 1e-4 < error < 0.1
+
+
+def test_acceptance_rule_allows_twice_the_baseline_error_plus_atol():
+    reference = torch.zeros(8)
+    baseline = torch.full((8,), 0.1)
+    within = torch.full((8,), 0.2 + 0.5 * check.ATOL)
+    beyond = torch.full((8,), 0.2 + 2 * check.ATOL)
+    assert check.compare("out", within, baseline, reference)["ok"]
+    result = check.compare("out", beyond, baseline, reference)
+    assert not result["ok"] and result["bound"] == pytest.approx(0.2 + check.ATOL)
+    assert not check.compare("out", torch.full((8,), math.nan), baseline, reference)["ok"]
+    # the atol grows with the reference's magnitude
+    assert check.compare("dk", torch.full((8,), 100.0 + 0.05), torch.full((8,), 100.0), torch.full((8,), 100.0))["ok"]
+
+
+def test_report_has_a_table_per_section_and_a_line_per_failure():
+    bad = {"tensor": "dq", "error": 0.5, "baseline_error": 0.1, "bound": 0.2, "ok": False}
+    good = {"tensor": "out", "error": 0.01, "baseline_error": 0.01, "bound": 0.03, "ok": True}
+    results = {
+        "environment": {"gpu": "NVIDIA H100", "torch": "2.11.0"},
+        "conformance": [
+            {"backend": "torch_varlen", "dtype": "bf16", "mode": "anchor", "case": "1 window", "tensors": [good, bad]},
+            {"backend": "flex", "dtype": "fp16", "mode": "full", "case": "1 window", "tensors": [good]},
+            {"backend": "te", "dtype": "all", "mode": "all", "case": "all", "status": "skipped: not installed"},
+            {"backend": "flex block mask", "dtype": "-", "mode": "anchor", "case": "c", "status": "FAIL: tiles differ"},
+        ],
+        "speed": [{"tokens": 8192, "documents": 3, "method": "anchor_attention flex", "status": "FAIL: OOM"},
+                  {"tokens": 8192, "documents": 3, "method": "full-causal SDPA (flash)", "status": "ok",
+                   "fwd_ms": 1.5, "fwd_bwd_ms": 5.0, "fwd_tflops": 300.0, "fwd_bwd_tflops": 250.0, "peak_gib": 2.0}],
+        "training": [{"run": "anchor, 16384 tokens, 1 GPU", "status": "ok", "tokens_per_s": 123456.0,
+                      "loss_first": 7.7, "loss_last": 5.1, "loss_falling": True}],
+    }
+    lines = check.failure_lines(results)
+    assert len(lines) == 3
+    assert lines[0].startswith("conformance torch_varlen bf16 anchor [1 window] dq: error 0.5 > bound 0.2")
+    assert any("tiles differ" in line for line in lines) and any("speed 8192 tokens anchor_attention flex" in line
+                                                                   for line in lines)
+    text = check.markdown_report(results)
+    assert "NVIDIA H100" in text and "FAIL (dq)" in text and "123456" in text
+    for heading in ("## Conformance", "## Speed", "## Training", "## Failures"):
+        assert heading in text
+    assert check.markdown_report({"skipped": "no CUDA"}).strip().endswith("Skipped: no CUDA")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")
+def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--quick", "--output", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "gpu_check: skipped: no CUDA device" in done.stdout
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["skipped"].startswith("no CUDA device")
+    assert "Skipped: no CUDA device" in (tmp_path / "gpu_check.md").read_text()
