@@ -24,7 +24,8 @@ import torch
 from nemo_anchor.atomic import atomic_directory
 from nemo_anchor.export.hf_mapping import HF_CLASSES, megatron_to_hf_state, to_hf_config
 from nemo_anchor.export.megatron_state import build_model, load_into_model
-from nemo_anchor.export.sources import HF, LoadedCheckpoint, checkpoint_kind, read_checkpoint
+from nemo_anchor.export.sources import LoadedCheckpoint, read_checkpoint
+from nemo_anchor.hf_dir import require_hf_dir
 
 # Megatron TransformerConfig fields that fix every weight's shape: a mismatch is named before loading.
 _STRUCTURE = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("ffn_hidden_size", "ffn_hidden_size"),
@@ -86,9 +87,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrit
 
     from nemo_anchor.run_dir import RunDir
 
-    if checkpoint_kind(hf_dir) != HF:
-        raise ValueError(f"{hf_dir} is not a Hugging Face model directory: expected config.json and its weights "
-                         f"(*.safetensors or pytorch_model.bin)")
+    require_hf_dir(hf_dir)
     with atomic_directory(out_dir, inputs=[hf_dir], overwrite=overwrite, command="import-hf") as staging:
         ckpt = read_checkpoint(hf_dir)
         model = build_model(ckpt.config, ckpt.vocab_size)

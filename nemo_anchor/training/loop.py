@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, rank_microbatches
+from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
+from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
@@ -111,7 +112,23 @@ class Trainer:
             raise ValueError(f"data.valid_path={cfg.data.valid_path} has windows of {valid.seq_length} tokens, "
                              f"data.path has {train.seq_length}: pack both with the same --seq-length")
         vocab_size = cfg.model.vocab_size or train.tokenizer.vocab_size
+        self._check_tokenizers(train, valid)
+        for dataset in (train, valid) if valid is not None else (train,):
+            dataset.check_token_ids(vocab_size)
         return train, valid, vocab_size
+
+    def _check_tokenizers(self, train: PackedDataset, valid: PackedDataset | None) -> None:
+        """Every dataset, the run's saved tokenizer and model.init_from_hf's tokenizer must be the same one."""
+        source = f"data.path={self.config.data.path}"
+        if valid is not None:
+            check_same_tokenizer(valid.tokenizer, f"data.valid_path={self.config.data.valid_path}", train.tokenizer,
+                                 source)
+        starts = [(self.run.tokenizer, f"output_dir={self.run.root} (its tokenizer/)")]
+        if self.config.model.init_from_hf:
+            starts.append((Path(self.config.model.init_from_hf), f"model.init_from_hf={self.config.model.init_from_hf}"))
+        for path, name in starts:
+            if find_tokenizer(path) is not None:
+                check_same_tokenizer(train.tokenizer, source, load_tokenizer(path), name)
 
     def _starting_weights(self) -> Path | None:
         """Where a fresh run's weights come from: model.init_from_hf, or a weights-only checkpoint in output_dir."""
