@@ -77,11 +77,13 @@ def _read_huggingface(path: Path) -> LoadedCheckpoint:
     source = path / CONFIG_FILE
     try:  # transformers raises what the config's own class raises: AttributeError, TypeError, KeyError...
         hf_config = transformers.AutoConfig.from_pretrained(path)
-        config = model_config_from_hf(hf_config, source=str(source))
-    except ValueError:
-        raise
     except Exception as err:  # noqa: BLE001
-        raise ValueError(f"{source}: not a supported transformers config ({type(err).__name__}: {err})") from None
+        raise ValueError(f"{source}: not a readable transformers config ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    try:
+        config = model_config_from_hf(hf_config, source=str(source))
+    except (AttributeError, TypeError, KeyError) as err:  # a field of another family, absent or of another type
+        raise ValueError(f"{source}: not a supported config ({type(err).__name__}: {err})") from None
     try:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError is a plain Exception
