@@ -96,7 +96,9 @@ class PackedDataset(torch.utils.data.Dataset):
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_path)
+        """The tokenizer it was packed with, named as when packing (``metadata["tokenizer"]``: 'byte', 'bpe-N', a path)."""
+        loaded = load_tokenizer(self.tokenizer_path)
+        return Tokenizer(loaded.hf, str(self.metadata.get("tokenizer") or loaded.name))
 
     def __reduce__(self):
         # DataLoader workers reopen the memory maps instead of pickling the windows
