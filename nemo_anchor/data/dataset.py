@@ -96,7 +96,7 @@ class PackedDataset(torch.utils.data.Dataset):
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer it was packed with, named as when packing (``metadata["tokenizer"]``: 'byte', 'bpe-N', a path)."""
+        """The tokenizer it was packed with, named as when packed (``metadata["tokenizer"]``: byte, bpe-N, a path)."""
         loaded = load_tokenizer(self.tokenizer_path)
         return Tokenizer(loaded.hf, str(self.metadata.get("tokenizer") or loaded.name))
 

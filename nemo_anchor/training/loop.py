@@ -124,11 +124,13 @@ class Trainer:
             check_same_tokenizer(valid.tokenizer, f"data.valid_path={self.config.data.valid_path}", train.tokenizer,
                                  source)
         starts = [(self.run.tokenizer, f"output_dir={self.run.root} (its tokenizer/)")]
-        if self.config.model.init_from_hf:
-            starts.append((Path(self.config.model.init_from_hf), f"model.init_from_hf={self.config.model.init_from_hf}"))
+        init_from = self.config.model.init_from_hf
+        if init_from:
+            starts.append((Path(init_from), f"model.init_from_hf={init_from}"))
         for path, name in starts:
-            if find_tokenizer(path) is not None:
-                check_same_tokenizer(train.tokenizer, source, load_tokenizer(path), name)
+            found = find_tokenizer(path)
+            if found is not None:
+                check_same_tokenizer(train.tokenizer, source, load_tokenizer(found), name)
 
     def _starting_weights(self) -> Path | None:
         """Where a fresh run's weights come from: model.init_from_hf, or a weights-only checkpoint in output_dir."""
