@@ -48,8 +48,8 @@ class PackOptions:
     def check(self) -> None:
         """Raises ValueError naming the first invalid option."""
         if not 2 <= self.seq_length <= MAX_SEQ_LENGTH:
-            raise ValueError(f"seq_length must be in [2, {MAX_SEQ_LENGTH}] (the anchor plus at least one token; "
-                             f"one window is held in memory), got {self.seq_length}")
+            raise ValueError(f"seq_length must be at least 2 (the anchor plus one token) and at most {MAX_SEQ_LENGTH} "
+                             f"(a window is held in memory), got {self.seq_length}")
         if self.min_doc_tokens < 1:
             raise ValueError(f"min_doc_tokens must be at least 1, got {self.min_doc_tokens}")
         if self.upsample_factor < 1 or self.long_doc_tokens < 1:
