@@ -111,9 +111,9 @@ def atomic_directory(target: str | os.PathLike, *, inputs: Iterable[str | os.Pat
     remove_stale_staging(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = _sibling(target, _STAGING)
-    staging.mkdir()  # mode 0o777 less the umask, unlike mkdtemp's 0o700
-    with _sigterm_raises():
+    with _sigterm_raises():  # from before the staging directory exists to after it is gone
         try:
+            staging.mkdir()  # mode 0o777 less the umask, unlike mkdtemp's 0o700
             yield staging
             (staging / MARKER).write_text(json.dumps({"tool": _TOOL, "command": command,
                                                       "files": _listing(staging)}, indent=1))
