@@ -146,7 +146,11 @@ def _replace(staging: Path, target: Path) -> None:
         return
     retired = _sibling(target, _RETIRED)
     os.replace(target, retired)
-    os.replace(staging, target)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(retired, target)  # the earlier output comes back
+        raise
     if retired.is_dir() and not retired.is_symlink():
         shutil.rmtree(retired, ignore_errors=True)
     else:
