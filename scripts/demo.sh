@@ -43,12 +43,12 @@ print(f"{type(model).__name__} generates:\n{tokenizer.decode(out[0], skip_specia
 EOF
 
 step "5/6 probe: does BF16 break RoPE's relative property on this model? (paper Section 2, Figure 1)"
-nemo-anchor probe --checkpoint "$RUN/train" --output "$RUN/probe" --data "$RUN/packed/valid" \
+nemo-anchor probe --checkpoint "$RUN/train" --output "$RUN/probe" --overwrite --data "$RUN/packed/valid" \
   --num-sequences 4 --sequence-length 512 --max-length 1024
 
 step "6/6 evaluate: RULER-style needle/variable-tracking tasks and perplexity by position"
 nemo-anchor eval --checkpoint "$RUN/train" --output "$RUN/eval" --lengths 1024 --num-samples 2 --max-new-tokens 32 \
-  --perplexity-data "$RUN/packed/valid" --perplexity-length 1024 --perplexity-windows 8
+  --overwrite --perplexity-data "$RUN/packed/valid" --perplexity-length 1024 --perplexity-windows 8
 
 cat <<EOF
 

@@ -29,7 +29,7 @@ def ours_dir(hf_dir, tmp_path_factory):
 
 
 def no_staging_left(parent):
-    return not [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    return not [p.name for p in parent.iterdir() if p.name.endswith(("nemo-anchor-staging", "nemo-anchor-retired"))]
 
 
 def test_missing_checkpoint(tmp_path):
@@ -98,12 +98,16 @@ def test_existing_output_is_kept_unless_overwrite(ours_dir, tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(ValueError, match="already exists"):
         export_hf(ours_dir, out)
+    with pytest.raises(ValueError, match="not written by nemo-anchor"):  # --overwrite replaces only its own outputs
+        export_hf(ours_dir, out, overwrite=True)
     assert (out / "keep.txt").read_text() == "user data"
+    (out / "keep.txt").unlink()
+    export_hf(ours_dir, out)  # an empty folder counts as absent
     export_hf(ours_dir, out, overwrite=True)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
-    assert not (out / "keep.txt").exists() and no_staging_left(tmp_path)
+    assert no_staging_left(tmp_path)
 
 
 def test_inference_input_is_checked(ours_dir):

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from nemo_anchor.analysis.probe import PAPER_LENGTHS, PAPER_SHIFTS, VARIANTS, ProbeSettings
-from nemo_anchor.evaluation.cli import add_model_arguments
+from nemo_anchor.evaluation.cli import add_model_arguments, add_overwrite_argument, reporting_errors
 
 DEFAULTS = ProbeSettings()
 
@@ -23,6 +23,7 @@ def register(subparsers) -> None:
     )
     add_model_arguments(parser)
     parser.add_argument("--output", type=Path, required=True, help="directory for probe.json and the plot")
+    add_overwrite_argument(parser)
     parser.add_argument(
         "--data", type=Path, nargs="+", required=True,
         help="a packed dataset directory, or text / JSONL files (one document per file / line)",
@@ -41,8 +42,13 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    return reporting_errors("probe", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     from nemo_anchor.analysis.plots import plot_figure1
     from nemo_anchor.analysis.probe import run_probe
+    from nemo_anchor.atomic import atomic_directory, check_output
     from nemo_anchor.evaluation.outputs import write_json
 
     settings = ProbeSettings(
@@ -56,10 +62,16 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     model_path = args.checkpoint or args.hf
+    inputs = [model_path, *args.data]
+    check_output(args.output, inputs, overwrite=args.overwrite)  # before the model is loaded
     results, metadata = run_probe(model_path, args.data, settings, device=args.device, text_key=args.text_key)
-    write_json(args.output / "probe.json", results)
-    write_json(args.output / "probe_settings.json", metadata)
-    plot_figure1(results, settings.reference_shift, args.output / "figure1.png")
+    left_out = sorted(set(settings.lengths) - set(metadata["logit_lengths"]))
+    if left_out:
+        print(f"D_logit lengths {left_out} left out: above --max-length or the model's max_position_embeddings")
+    with atomic_directory(args.output, inputs=inputs, overwrite=args.overwrite, command="probe") as staging:
+        write_json(staging / "probe.json", results)
+        write_json(staging / "probe_settings.json", metadata)
+        plot_figure1(results, settings.reference_shift, staging / "figure1.png")
     print(summary(results, settings.reference_shift))
     print(f"wrote {args.output / 'probe.json'} and {args.output / 'figure1.png'}")
     return 0

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nemo_anchor.analysis.shift_metrics import shift_differences
-from nemo_anchor.evaluation.corpus import read_token_windows
+from nemo_anchor.evaluation.corpus import check_token_ids, read_token_windows
 from nemo_anchor.evaluation.models import load_model
 
 PAPER_SHIFTS = (0, 2, 4, 6, 8, 10, 12, 14, 15, 17, 18, 20, 22, 50, 100, 200, 500, 1000, 2000)
@@ -48,11 +48,21 @@ class ProbeSettings:
             raise ValueError(f"need >= 1 sequence of >= 2 tokens, got {self.num_sequences} x {self.sequence_length}")
         if min(self.shifts, default=0) < 0 or self.reference_shift < 0:
             raise ValueError(f"shifts must be >= 0, got {list(self.shifts)} and reference {self.reference_shift}")
+        if not self.lengths or min(self.lengths) < 2 or self.max_length < 2:
+            raise ValueError(f"D_logit lengths and max_length must be >= 2, got lengths {list(self.lengths)} and "
+                             f"max_length {self.max_length}")
 
     def logit_lengths(self, model_max_length: int | None) -> list[int]:
-        """The ``D_logit`` lengths kept: at most ``max_length`` and the model's maximum length."""
+        """The ``D_logit`` lengths kept: at most ``max_length`` and the model's maximum length.
+
+        Raises ValueError when none is left (the message names the lengths and both caps).
+        """
         cap = min(self.max_length, model_max_length or self.max_length)
-        return [length for length in self.lengths if 2 <= length <= cap]
+        kept = [length for length in self.lengths if length <= cap]
+        if not kept:
+            raise ValueError(f"no D_logit length is at most {cap} (max_length {self.max_length}, the model's "
+                             f"max_position_embeddings {model_max_length}): got lengths {list(self.lengths)}")
+        return kept
 
 
 def same_weights_in(model, dtype: torch.dtype):
@@ -136,6 +146,7 @@ def run_probe(
     sequences = read_token_windows(
         sources, tokenizer, num_windows=settings.num_sequences, length=window, text_key=text_key
     )
+    check_token_ids(sequences, config.vocab_size, sources)
 
     results = {}
     passes_per_sequence = 2 if max(logit_lengths, default=0) > settings.sequence_length else 1

@@ -28,7 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from nemo_anchor.data.atomic import atomic_file
+from nemo_anchor.atomic import atomic_file
 
 CODE, DOCS = "code", "docs"
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}

@@ -79,9 +79,26 @@ class PackedDataset(torch.utils.data.Dataset):
         """int64 ``[S]``: the packed document of each segment of window ``index`` (-1: padding)."""
         return self._segment_documents[self._segment_range(self._window(index))].copy()
 
+    def check_token_ids(self, vocab_size: int, chunk_windows: int = 4096) -> None:
+        """ValueError naming this dataset, its largest token id and ``vocab_size`` when an id is ``>= vocab_size``.
+
+        Scans ``tokens.bin`` (memory-mapped, ``chunk_windows`` windows at a time): a corrupt file or
+        a model vocabulary smaller than the tokenizer's would otherwise fail deep inside the embedding.
+        """
+        if np.iinfo(self._tokens.dtype).max < vocab_size:
+            return  # the token dtype cannot hold an id that large
+        largest = max((int(self._tokens[start:start + chunk_windows].max())
+                       for start in range(0, self.num_windows, chunk_windows)), default=-1)
+        if largest >= vocab_size:
+            raise ValueError(f"packed dataset {self.path}: largest token id {largest} is outside the model's "
+                             f"vocabulary of {vocab_size} (model.vocab_size, or the data's tokenizer); repack "
+                             f"the data or raise model.vocab_size")
+
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_path)
+        """The tokenizer it was packed with, named as when packed (``metadata["tokenizer"]``: byte, bpe-N, a path)."""
+        loaded = load_tokenizer(self.tokenizer_path)
+        return Tokenizer(loaded.hf, str(self.metadata.get("tokenizer") or loaded.name))
 
     def __reduce__(self):
         # DataLoader workers reopen the memory maps instead of pickling the windows

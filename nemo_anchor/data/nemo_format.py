@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_anchor.data.atomic import atomic_file
+from nemo_anchor.atomic import atomic_file
 
 NEMO_KEYS = ("input_ids", "loss_mask", "seq_start_id")
 

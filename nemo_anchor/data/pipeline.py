@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from nemo_anchor.data import plan
-from nemo_anchor.data.atomic import atomic_directory
+from nemo_anchor.atomic import atomic_directory
 from nemo_anchor.data.layout import (FORMAT_NAME, FORMAT_VERSION, HISTOGRAM_FILE, METADATA_FILE, STATS_FILE,
                                      VALID_SUBDIR)
 from nemo_anchor.data.packing import WindowLayout, write_packed
@@ -21,6 +21,10 @@ from nemo_anchor.data.tokenizer import TOKENIZER_SUBDIR, Tokenizer, load_tokeniz
 
 TRAIN_BPE_PREFIX = "train-bpe:"
 NEMO_SUBDIR = "nemo"
+# Upper bounds checked before tokenizing: a window is held whole in memory while packing and its
+# cu_seqlens are int32; interleaving draws (documents x chunks) random cuts at once.
+MAX_SEQ_LENGTH = 1 << 24
+MAX_INTERLEAVE_CHUNKS = 1024
 
 
 @dataclass
@@ -43,15 +47,18 @@ class PackOptions:
 
     def check(self) -> None:
         """Raises ValueError naming the first invalid option."""
-        if self.seq_length < 2:
-            raise ValueError(f"seq_length must be at least 2 (the anchor plus one token), got {self.seq_length}")
+        if not 2 <= self.seq_length <= MAX_SEQ_LENGTH:
+            raise ValueError(f"seq_length must be at least 2 (the anchor plus one token) and at most {MAX_SEQ_LENGTH} "
+                             f"(a window is held in memory), got {self.seq_length}")
         if self.min_doc_tokens < 1:
             raise ValueError(f"min_doc_tokens must be at least 1, got {self.min_doc_tokens}")
         if self.upsample_factor < 1 or self.long_doc_tokens < 1:
             raise ValueError(f"upsample_factor must be >= 1 and long_doc_tokens >= 1, got "
                              f"{self.upsample_factor} and {self.long_doc_tokens}")
-        if self.interleave_chunks < 1:
-            raise ValueError(f"interleave_chunks must be at least 1, got {self.interleave_chunks}")
+        if not 1 <= self.interleave_chunks <= MAX_INTERLEAVE_CHUNKS:
+            raise ValueError(f"interleave_chunks must be in [1, {MAX_INTERLEAVE_CHUNKS}], got {self.interleave_chunks}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ValueError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
         if self.on_invalid_utf8 not in ON_INVALID_UTF8:
@@ -73,20 +80,22 @@ def pack(inputs: list[str | Path], tokenizer: str | Tokenizer, output: str | Pat
         output: the dataset directory; its tokenizer is saved in ``output/tokenizer``, the held-out
             split (``valid_fraction > 0``) in ``output/valid``, statistics in ``stats.json`` and
             ``document_lengths.png``, and with ``export_nemo`` NeMo packed files in ``output/nemo``.
-        overwrite: replace an existing ``output``.
+        overwrite: replace an existing ``output`` that ``pack`` wrote (:mod:`nemo_anchor.atomic`).
 
     Returns:
         the statistics (also saved as ``stats.json``).
 
     Raises:
-        ValueError: bad options or inputs (the message names file, line, key or value). Nothing is
-            left at ``output`` on any error.
+        ValueError: bad options or inputs (the message names file, line, key or value), or an
+            output that would overwrite an input or something else (checked before tokenizing).
+            Nothing is left at ``output`` on any error.
     """
     options.check()
     files = expand_inputs(inputs)
     hold_out = HoldOut(options.valid_fraction, options.seed)
     skipped: Counter = Counter()
-    with atomic_directory(output, overwrite=overwrite) as work:
+    sources = [*inputs, *(item.path for item in files), *([] if isinstance(tokenizer, Tokenizer) else [str(tokenizer)])]
+    with atomic_directory(output, inputs=sources, overwrite=overwrite, command="pack") as work:
         tokenizer = _resolve_tokenizer(tokenizer, files, options, hold_out)
         store = read_documents(files, tokenizer, work / ".store", text_key=options.text_key,
                                on_invalid_utf8=options.on_invalid_utf8, hold_out=hold_out, skipped=skipped)

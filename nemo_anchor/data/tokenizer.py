@@ -173,3 +173,32 @@ def _bare_tokenizer(path: Path):
     roles = {role: next((name for name in names if name in special), None) for role, names in BARE_SPECIAL_TOKENS.items()}
     return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
                                    **{role: name for role, name in roles.items() if name})
+
+
+def check_same_tokenizer(data_tokenizer, data_source: str, model_tokenizer, model_source: str) -> None:
+    """ValueError naming both unless the two tokenizers map the same tokens to the same ids.
+
+    Either argument may be a :class:`Tokenizer` or a ``transformers`` tokenizer. Data tokenized by
+    one and read by a model trained with the other gives meaningless losses and perplexities.
+    """
+    data_hf = getattr(data_tokenizer, "hf", data_tokenizer)
+    model_hf = getattr(model_tokenizer, "hf", model_tokenizer)
+    if data_hf.get_vocab() != model_hf.get_vocab():
+        raise ValueError(
+            f"{data_source} was tokenized with {_describe(data_tokenizer)} but {model_source} uses "
+            f"{_describe(model_tokenizer)}: pack the data with the model's tokenizer (nemo-anchor pack --tokenizer)")
+
+
+def _describe(tokenizer) -> str:
+    hf = getattr(tokenizer, "hf", tokenizer)
+    name = getattr(tokenizer, "name", None) or getattr(hf, "name_or_path", None) or type(hf).__name__
+    return f"tokenizer {name!r} (vocabulary {len(hf)})"
+
+
+def find_tokenizer(path: str | Path) -> Path | None:
+    """The directory :func:`load_tokenizer` would read for ``path`` (itself or its ``tokenizer/``), or None."""
+    path = Path(path)
+    for candidate in (path / TOKENIZER_SUBDIR, path):
+        if (candidate / "tokenizer_config.json").is_file() or (candidate / "tokenizer.json").is_file():
+            return candidate
+    return None

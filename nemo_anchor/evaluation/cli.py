@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from nemo_anchor.evaluation.models import DTYPES
@@ -23,9 +24,10 @@ def register(subparsers) -> None:
     )
     add_model_arguments(parser)
     parser.add_argument("--output", type=Path, required=True, help="directory for eval.json, predictions and the plot")
+    add_overwrite_argument(parser)
     parser.add_argument("--last-k", type=int, help="average over the last K checkpoints of --checkpoint OUTPUT_DIR")
     parser.add_argument(
-        "--tasks", nargs="*", choices=sorted(TASKS), default=list(DEFAULTS.tasks), metavar="TASK",
+        "--tasks", nargs="*", choices=[*sorted(TASKS), "none"], default=list(DEFAULTS.tasks), metavar="TASK",
         help=f"RULER-style tasks (default: all of {', '.join(TASKS)}); none to skip them",
     )
     parser.add_argument("--lengths", type=int, nargs="+", help="context lengths (default: 4K..128K, up to the model's)")
@@ -46,16 +48,47 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--checkpoint DIR | --hf DIR``, shared by ``nemo-anchor eval`` and ``nemo-anchor probe``."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path, help="a training output_dir or one of its checkpoint directories")
-    source.add_argument("--hf", type=Path, help="a local Hugging Face model directory")
+    source.add_argument("--hf", type=hf_model_dir, help="a local Hugging Face model directory")
+
+
+def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output written by this command (nothing else is replaced)")
+
+
+def hf_model_dir(value: str) -> Path:
+    """``--hf``: a directory holding ``config.json`` (argparse names the argument when it is not)."""
+    from nemo_anchor.hf_dir import require_hf_dir
+
+    try:
+        return require_hf_dir(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error}; use --checkpoint for a training output_dir") from None
+
+
+def reporting_errors(command: str, work) -> int:
+    """Run ``work()``; bad input or settings are one line on stderr and exit status 1."""
+    try:
+        return work()
+    except (ValueError, FileNotFoundError) as error:
+        print(f"nemo-anchor {command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 def run(args: argparse.Namespace) -> int:
+    return reporting_errors("eval", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nemo_anchor.atomic import atomic_directory, check_output
     from nemo_anchor.evaluation.checkpoints import last_checkpoints
     from nemo_anchor.evaluation.models import parse_dtype
     from nemo_anchor.evaluation.outputs import write_json, write_jsonl
     from nemo_anchor.evaluation.report import format_tables, plot_report
     from nemo_anchor.evaluation.runner import evaluate_paths
 
+    inputs = [args.checkpoint or args.hf, *args.perplexity_data]
+    check_output(args.output, inputs, overwrite=args.overwrite)  # before any model is loaded
     if args.last_k is not None:
         if args.checkpoint is None:
             raise ValueError("--last-k needs --checkpoint OUTPUT_DIR (a training output_dir)")
@@ -63,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"averaging over {len(models)} checkpoints: {', '.join(path.name for path, _ in models)}")
     else:
         models = [(args.checkpoint or args.hf, None)]
+    if "none" in args.tasks and len(args.tasks) > 1:
+        raise ValueError(f"--tasks none cannot be combined with tasks, got {args.tasks}")
     settings = EvalSettings(
-        tasks=tuple(args.tasks),
+        tasks=() if args.tasks == ["none"] else tuple(args.tasks),
         lengths=tuple(args.lengths) if args.lengths else None,
         num_samples=args.num_samples,
         seed=args.seed,
@@ -76,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
         text_key=args.text_key,
     )
     report, predictions = evaluate_paths(models, settings, dtype=parse_dtype(args.dtype), device=args.device)
-    write_json(args.output / "eval.json", report)
-    write_jsonl(args.output / "predictions.jsonl", predictions)
-    plot_report(report, args.output / "eval.png")
+    with atomic_directory(args.output, inputs=inputs, overwrite=args.overwrite, command="eval") as staging:
+        write_json(staging / "eval.json", report)
+        write_jsonl(staging / "predictions.jsonl", predictions)
+        plot_report(report, staging / "eval.png")
     print(format_tables(report))
     print(f"wrote {args.output / 'eval.json'} and {args.output / 'eval.png'}")
     return 0

@@ -36,14 +36,16 @@ def read_token_windows(
     if any(path.is_dir() for path in paths):
         if len(paths) != 1:
             raise ValueError(f"a packed dataset directory must be the only input, got {[str(p) for p in paths]}")
-        return _packed_windows(paths[0], num_windows, length)
+        return _packed_windows(paths[0], tokenizer, num_windows, length)
     return _text_windows(paths, tokenizer, num_windows, length, text_key)
 
 
-def _packed_windows(directory: Path, num_windows: int, length: int) -> torch.Tensor:
+def _packed_windows(directory: Path, tokenizer, num_windows: int, length: int) -> torch.Tensor:
     from nemo_anchor.data import PackedDataset
+    from nemo_anchor.data.tokenizer import check_same_tokenizer
 
     dataset = PackedDataset(directory)
+    check_same_tokenizer(dataset.tokenizer, f"packed dataset {directory}", tokenizer, "the model")
     if len(dataset) < num_windows:
         raise ValueError(f"packed dataset {directory} has {len(dataset)} samples, {num_windows} requested")
     windows = []
@@ -55,6 +57,14 @@ def _packed_windows(directory: Path, num_windows: int, length: int) -> torch.Ten
             )
         windows.append(tokens[:length])
     return torch.stack(windows)
+
+
+def check_token_ids(windows: torch.Tensor, vocab_size: int, sources: Sequence[str | Path]) -> None:
+    """ValueError naming the inputs, the largest id and ``vocab_size`` when a token id is ``>= vocab_size``."""
+    largest = int(windows.max())
+    if largest >= vocab_size:
+        raise ValueError(f"{', '.join(str(s) for s in sources)}: largest token id {largest} is outside the model's "
+                         f"vocabulary of {vocab_size}")
 
 
 def _text_windows(paths: list[Path], tokenizer, num_windows: int, length: int, text_key: str) -> torch.Tensor:

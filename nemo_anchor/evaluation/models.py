@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from nemo_anchor.hf_dir import is_hf_dir, load_error
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -33,11 +35,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"model path {path} does not exist")
-    if (path / "config.json").is_file():
+    if is_hf_dir(path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as error:  # noqa: BLE001 - what transformers and safetensors raise varies by file
+            raise load_error(path, error) from None
     else:
         from nemo_anchor.export.inference import load_hf_model
 

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from nemo_anchor.evaluation.corpus import read_token_windows
+from nemo_anchor.evaluation.corpus import check_token_ids, read_token_windows
 from nemo_anchor.evaluation.models import load_model
 from nemo_anchor.evaluation.perplexity import perplexity_by_position
 from nemo_anchor.evaluation.ruler import TASKS, Sample, Task, generate_samples
@@ -87,6 +87,7 @@ def evaluate_model(model, tokenizer, settings: EvalSettings, desc: str = "eval")
             settings.perplexity_data, tokenizer, num_windows=settings.perplexity_windows,
             length=settings.perplexity_length, text_key=settings.text_key,
         )
+        check_token_ids(windows, model.config.vocab_size, settings.perplexity_data)
     ruler: dict[str, dict[str, float]] = {}
     predictions = []
     with tqdm(total=len(prompts) * settings.num_samples, desc=desc, unit="sample") as progress:

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from nemo_anchor.export.atomic import atomic_directory
+from nemo_anchor.atomic import atomic_directory
 from nemo_anchor.export.hf_mapping import HF_CLASSES, megatron_to_hf_state, to_hf_config
 from nemo_anchor.export.megatron_state import build_model, load_into_model
-from nemo_anchor.export.sources import HF, LoadedCheckpoint, read_checkpoint
+from nemo_anchor.export.sources import LoadedCheckpoint, read_checkpoint
+from nemo_anchor.hf_dir import require_hf_dir
 
 # Megatron TransformerConfig fields that fix every weight's shape: a mismatch is named before loading.
 _STRUCTURE = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("ffn_hidden_size", "ffn_hidden_size"),
@@ -66,7 +67,7 @@ def to_hf_model(ckpt: LoadedCheckpoint, dtype: torch.dtype = torch.float32):
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
               overwrite: bool = False) -> Path:
     """Write the HF directory of ``checkpoint`` (training output_dir, iter dir or NeMo 2 dir) to ``out_dir``."""
-    with atomic_directory(out_dir, overwrite=overwrite) as staging:
+    with atomic_directory(out_dir, inputs=[checkpoint], overwrite=overwrite, command="export-hf") as staging:
         model, tokenizer = to_hf_model(read_checkpoint(checkpoint), dtype)
         model.save_pretrained(staging, safe_serialization=True)
         if tokenizer is not None:
@@ -86,11 +87,9 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrit
 
     from nemo_anchor.run_dir import RunDir
 
-    with atomic_directory(out_dir, overwrite=overwrite) as staging:
+    require_hf_dir(hf_dir)
+    with atomic_directory(out_dir, inputs=[hf_dir], overwrite=overwrite, command="import-hf") as staging:
         ckpt = read_checkpoint(hf_dir)
-        if ckpt.kind != HF:
-            raise ValueError(f"{hf_dir}: expected a Hugging Face directory (config.json and weights), found a "
-                             f"{ckpt.kind} checkpoint")
         model = build_model(ckpt.config, ckpt.vocab_size)
         load_into_model(model, ckpt.state, source=str(ckpt.path))
         run_config = OmegaConf.to_yaml({"model": dataclasses.asdict(ckpt.config)})

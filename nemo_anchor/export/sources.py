@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nemo_anchor.export.hf_mapping import hf_to_megatron_state, model_config_from_hf
 from nemo_anchor.export.megatron_state import canonical_state, check_state
+from nemo_anchor.hf_dir import CONFIG_FILE, is_hf_dir, load_error
 from nemo_anchor.model.config import ModelConfig
 
 HF = "huggingface"
@@ -52,7 +53,7 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
-    if (path / "config.json").is_file():
+    if is_hf_dir(path):
         return HF
     if (path / "weights").is_dir() and (path / "context").is_dir():
         return NEMO2
@@ -73,15 +74,20 @@ def read_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
 def _read_huggingface(path: Path) -> LoadedCheckpoint:
     import transformers
 
-    try:
+    source = path / CONFIG_FILE
+    try:  # transformers raises what the config's own class raises: AttributeError, TypeError, KeyError...
         hf_config = transformers.AutoConfig.from_pretrained(path)
-    except (ValueError, OSError) as err:
-        raise ValueError(f"{path / 'config.json'}: not a readable transformers config: {err}") from None
-    config = model_config_from_hf(hf_config, source=str(path / "config.json"))
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"{source}: not a readable transformers config ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    try:
+        config = model_config_from_hf(hf_config, source=str(source))
+    except (AttributeError, TypeError, KeyError) as err:  # a field of another family, absent or of another type
+        raise ValueError(f"{source}: not a supported config ({type(err).__name__}: {err})") from None
     try:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{path}: cannot load the Hugging Face weights: {err}") from None
+    except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError is a plain Exception
+        raise load_error(path, err) from None
     state = hf_to_megatron_state(hf_model.state_dict(), config, source=str(path))
     return _checked(path, HF, config, state, find_tokenizer_dir(path))
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, rank_microbatches
+from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
+from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
@@ -115,7 +116,25 @@ class Trainer:
                              f"data.path has {train.seq_length}: pack both with the same --seq-length")
         vocab_size = cfg.model.vocab_size or padded_vocab_size(train.tokenizer.vocab_size,
                                                                cfg.model.tensor_model_parallel_size)
+        self._check_tokenizers(train, valid)
+        for dataset in (train, valid) if valid is not None else (train,):
+            dataset.check_token_ids(vocab_size)
         return train, valid, vocab_size
+
+    def _check_tokenizers(self, train: PackedDataset, valid: PackedDataset | None) -> None:
+        """Every dataset, the run's saved tokenizer and model.init_from_hf's tokenizer must be the same one."""
+        source = f"data.path={self.config.data.path}"
+        if valid is not None:
+            check_same_tokenizer(valid.tokenizer, f"data.valid_path={self.config.data.valid_path}", train.tokenizer,
+                                 source)
+        starts = [(self.run.tokenizer, f"output_dir={self.run.root} (its tokenizer/)")]
+        init_from = self.config.model.init_from_hf
+        if init_from:
+            starts.append((Path(init_from), f"model.init_from_hf={init_from}"))
+        for path, name in starts:
+            found = find_tokenizer(path)
+            if found is not None:
+                check_same_tokenizer(train.tokenizer, source, load_tokenizer(found), name)
 
     def _starting_weights(self) -> Path | None:
         """Where a fresh run's weights come from: model.init_from_hf, or a weights-only checkpoint in output_dir."""

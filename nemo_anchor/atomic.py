@@ -1,0 +1,231 @@
+"""Every output of every command is written here: staged beside its target, renamed into place when complete.
+
+The rules, the same for ``pack``, ``export-hf``, ``import-hf``, ``probe`` and ``eval``:
+
+- checked before anything is touched: an output that is, contains or lies inside one of the
+  command's inputs is refused (naming both paths); so is an output whose parent is a file or
+  cannot be written to, and an existing output unless ``--overwrite``;
+- ``--overwrite`` replaces only a directory this tool wrote and nobody changed since: each output
+  directory holds :data:`MARKER`, listing every path written into it. A directory without it, or
+  holding anything it does not list, is refused (an empty directory counts as absent);
+- the new output is built in a hidden staging directory next to the target and renamed into place,
+  so a failure leaves the earlier output (or nothing) behind, never half of one;
+- SIGTERM cleans up as SIGINT does (the staging directory is removed; exit status 143), and staging
+  directories of runs that died without cleaning up (``kill -9``) are removed by the next run;
+- outputs get the user's normal permissions (``0o777``/``0o666`` less the umask).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Iterable, Iterator
+
+MARKER = ".nemo-anchor-output.json"
+_TOOL = "nemo-anchor"
+_STAGING = "nemo-anchor-staging"  # suffixes of this tool's hidden siblings of a target
+_RETIRED = "nemo-anchor-retired"
+
+
+class OutputError(ValueError):
+    """An output that cannot be written (the message names the paths and why)."""
+
+
+def check_output(target: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (), *,
+                 overwrite: bool = False) -> Path:
+    """Refuse an output that would lose data or cannot be written; returns its absolute path.
+
+    Raises:
+        OutputError: the output is, contains or lies inside an input; its parent is not a writable
+            directory; it exists and ``overwrite`` is False; or ``overwrite`` would replace
+            something this tool did not write.
+    """
+    target = Path(os.path.abspath(target))
+    real = target.resolve()
+    for item in inputs:
+        if item is None or not Path(item).exists():
+            continue
+        source = Path(item).resolve()
+        if real == source:
+            raise OutputError(f"output {target} is the input {item}: choose another output path")
+        if real in source.parents:
+            raise OutputError(f"output {target} contains the input {item}: choose another output path")
+        if source in real.parents:
+            raise OutputError(f"output {target} lies inside the input {item}: choose another output path")
+    ancestor = next(path for path in (target.parent, *target.parent.parents) if path.exists())
+    if not ancestor.is_dir():
+        raise OutputError(f"cannot create output {target}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot create output {target}: no permission to write in {ancestor}")
+    if target.is_dir() and not any(target.iterdir()):
+        return target
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            raise OutputError(f"output {target} already exists: remove it or pass --overwrite")
+        _check_ours(target)
+    return target
+
+
+def _check_ours(target: Path) -> None:
+    """OutputError unless ``target`` is a directory this tool wrote, holding only what it wrote."""
+    if not target.is_dir() or target.is_symlink():
+        raise OutputError(f"--overwrite refused: {target} is not a directory written by {_TOOL}; remove it yourself")
+    try:
+        written = set(json.loads((target / MARKER).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise OutputError(f"--overwrite refused: {target} was not written by {_TOOL} (no readable {MARKER}); "
+                          f"remove it yourself or choose another output path") from None
+    extra = sorted(set(_listing(target)) - written)
+    if extra:
+        raise OutputError(f"--overwrite refused: {target} holds {target / extra[0]}, which {_TOOL} did not write "
+                          f"there ({len(extra)} such path(s)); remove it yourself or choose another output path")
+
+
+def _listing(directory: Path) -> list[str]:
+    """Every path under ``directory`` (files and folders), relative, without the marker."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            relative = os.path.relpath(os.path.join(root, name), directory)
+            if relative != MARKER:
+                found.append(relative)
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (),
+                     overwrite: bool = False, command: str = "") -> Iterator[Path]:
+    """Yield an empty staging directory beside ``target``; it becomes ``target`` only if the block succeeds.
+
+    ``target`` is checked first (:func:`check_output` with ``inputs``). On success :data:`MARKER`
+    records what was written and an earlier ``target`` is replaced; on any exception, SIGTERM
+    included, the staging directory is removed and ``target`` is left as it was.
+    """
+    target = check_output(target, inputs, overwrite=overwrite)
+    remove_stale_staging(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling(target, _STAGING)
+    with _sigterm_raises():  # from before the staging directory exists to after it is gone
+        try:
+            staging.mkdir()  # mode 0o777 less the umask, unlike mkdtemp's 0o700
+            yield staging
+            (staging / MARKER).write_text(json.dumps({"tool": _TOOL, "command": command,
+                                                      "files": _listing(staging)}, indent=1))
+            _give_user_modes(staging)
+            _replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _give_user_modes(directory: Path) -> None:
+    """Modes ``open``/``mkdir`` would give (0o666/0o777 less the umask) to everything under ``directory``;
+    libraries that write through private temporary files (safetensors, mkstemp) leave 0o600 behind."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for root, dirs, files in os.walk(directory):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                executable = os.stat(path).st_mode & 0o100
+                os.chmod(path, (0o777 if executable else 0o666) & ~umask)
+
+
+def _replace(staging: Path, target: Path) -> None:
+    if not (target.exists() or target.is_symlink()):
+        os.replace(staging, target)
+        return
+    retired = _sibling(target, _RETIRED)
+    os.replace(target, retired)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(retired, target)  # the earlier output comes back
+        raise
+    if retired.is_dir() and not retired.is_symlink():
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        retired.unlink()
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    """A hidden name next to ``target`` that says which host and process made it."""
+    return target.parent / f".{target.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+
+
+def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
+    """Remove the staging/retired siblings of ``target`` left by dead processes of this host; returns them."""
+    target = Path(os.path.abspath(target))
+    if not target.parent.is_dir():
+        return []
+    removed = []
+    prefix, host = f".{target.name}.", socket.gethostname()
+    for path in target.parent.iterdir():
+        name = path.name
+        if not name.startswith(prefix) or not name.endswith((_STAGING, _RETIRED)):
+            continue
+        parts = name[len(prefix):].rsplit(".", 3)  # host (may hold dots), pid, token, kind
+        if len(parts) != 4 or parts[0] != host or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While staging, SIGTERM raises SystemExit(143) (as SIGINT raises KeyboardInterrupt), so cleanup runs.
+
+    Only where SIGTERM still has its default action (the trainer installs its own) and in the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the cleanup finish
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary path beside ``target``; it replaces ``target`` only if the block succeeds.
+
+    The file is created with mode ``0o666`` less the umask, as ``open(target, "w")`` would.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(target, _STAGING)
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+

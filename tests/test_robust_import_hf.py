@@ -1,0 +1,85 @@
+"""`nemo-anchor import-hf` as a user runs it: the source is never lost, bad sources are named in one line."""
+import json
+import os
+
+import pytest
+import transformers
+
+from nemo_anchor.cli import main
+from nemo_anchor.data import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("robust_import") / "hf"
+    config = transformers.LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    byte_tokenizer().save(path)
+    return path
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_output_that_is_the_source_is_refused(hf, capsys):
+    before = snapshot(hf)
+    assert main(["import-hf", str(hf), str(hf), "--overwrite"]) == 1
+    assert f"output {hf} is the input {hf}" in capsys.readouterr().err
+    assert main(["import-hf", str(hf), str(hf.parent), "--overwrite"]) == 1
+    assert "contains the input" in capsys.readouterr().err
+    assert snapshot(hf) == before
+
+
+def test_import_writes_user_permissions_and_overwrite_keeps_training_output(hf, tmp_path, capsys):
+    out = tmp_path / "run"
+    old = os.umask(0o022)
+    try:
+        assert main(["import-hf", str(hf), str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_dir()} | {out.stat().st_mode & 0o777} == {0o755}
+    assert {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()} == {0o644}
+    assert main(["import-hf", str(hf), str(out), "--overwrite"]) == 0  # its own output, untouched since
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # as training into it would
+    assert main(["import-hf", str(hf), str(out), "--overwrite"]) == 1
+    assert f"{out / 'metrics.jsonl'}" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").is_file() and (out / "checkpoints" / "iter_0000000").is_dir()
+
+
+def test_folder_without_config_json_is_not_a_hugging_face_model(tmp_path, capsys):
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.safetensors").write_bytes(b"\0" * 16)
+    assert main(["import-hf", str(tmp_path / "weights"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'weights'} is not a Hugging Face model directory" in err and "config.json" in err
+    assert "iter_NNNNNNN" not in err and not (tmp_path / "out").exists()
+
+
+def test_truncated_weights_file_is_named(hf, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in hf.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["import-hf", str(broken), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {weights}:") and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 259, "activation_function": "x",
+      "rope_scaling": {"type": "dynamic", "factor": 2.0}, "custom_thing": [1, 2]}, "model_type"),
+    ({"model_type": "no-such-family", "hidden_size": 16, "extra": {"nested": True}}, "no-such-family"),
+])
+def test_unsupported_configs_are_one_line_naming_config_json(tmp_path, capsys, config, field):
+    source = tmp_path / "hf"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config))
+    assert main(["import-hf", str(source), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {source / 'config.json'}") and field in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,71 @@
+"""`nemo-anchor train` meeting data it cannot use: refused before anything is written, naming what is wrong."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from nemo_anchor.cli import main
+from nemo_anchor.data import PackOptions, pack
+
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4] * 8
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("robust_train")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    pack([corpus], "byte", root / "byte", PackOptions(seq_length=64))
+    pack([corpus], "train-bpe:300", root / "bpe", PackOptions(seq_length=64))
+    return root
+
+
+def train(tmp_path, data_path, *overrides):
+    config = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2,
+                  "num_query_groups": 1, "seq_length": 64},
+        "data": {"path": str(data_path)},
+        "trainer": {"max_steps": 1, "global_batch_size": 1, "micro_batch_size": 1, "precision": "fp32",
+                    "progress_bar": False},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return main(["train", "--config", str(path), *overrides])
+
+
+def test_validation_data_of_another_tokenizer_is_refused(data, tmp_path):
+    with pytest.raises(ValueError) as error:
+        train(tmp_path, data / "byte", f"data.valid_path={data / 'bpe'}")
+    message = str(error.value)
+    assert f"data.valid_path={data / 'bpe'}" in message and "'bpe-300'" in message and "'byte'" in message
+    assert not (tmp_path / "run").exists()  # nothing written, config.yaml included
+
+
+def test_token_ids_beyond_model_vocab_size_are_named(data, tmp_path):
+    with pytest.raises(ValueError) as error:
+        train(tmp_path, data / "byte", "model.vocab_size=100")
+    largest = int(np.fromfile(data / "byte" / "tokens.bin", dtype=np.uint16).max())
+    assert f"packed dataset {data / 'byte'}: largest token id {largest}" in str(error.value)
+    assert "vocabulary of 100" in str(error.value) and not (tmp_path / "run").exists()
+
+
+def test_corrupt_token_file_is_named_before_training(data, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(data / "byte", corrupt)
+    tokens = np.memmap(corrupt / "tokens.bin", dtype=np.uint16, mode="r+")
+    tokens[-3] = 60000
+    tokens.flush()
+    with pytest.raises(ValueError, match=r"largest token id 60000 is outside the model's vocabulary of 259"):
+        train(tmp_path, corrupt)
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_directory_of_another_tokenizer_is_refused(data, tmp_path):
+    (tmp_path / "run").mkdir()
+    shutil.copytree(data / "bpe" / "tokenizer", tmp_path / "run" / "tokenizer")  # as a run on other data left it
+    with pytest.raises(ValueError, match=r"output_dir=.*run \(its tokenizer/\) uses tokenizer"):
+        train(tmp_path, data / "byte")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["tokenizer"]
