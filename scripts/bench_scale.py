@@ -1,0 +1,119 @@
+"""Per-rank memory and step time of the trainer's engine across parallel layouts, next to the planner.
+
+    python scripts/bench_scale.py                 # both tables
+    python scripts/bench_scale.py --steps 3 --seq-length 1024
+
+Table 1: a small Llama-shaped model on this machine (gloo, one process per rank) at data parallel 1
+and 2 and tensor parallel 1 and 2: each rank's measured bytes of weights, gradients and optimizer
+state (the engine's own tensors), the planner's prediction for the same rank, and the step time.
+Table 2: ``nemo-anchor plan`` for every file in configs/paper/ on the paper's hardware (8x 80 GB).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=8, num_query_groups=4)
+VOCAB = 4096
+LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (processes, tensor parallel)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nemo_anchor.model.config import ModelConfig
+    from nemo_anchor.parallel.distributed import initialize_parallel
+    from nemo_anchor.training.config import RunConfig, TrainerConfig
+    from nemo_anchor.training.engine import build_engine, train_step
+    from nemo_anchor.training.memory import Layout, planned_state_bytes, state_bytes
+
+    T = args.seq_length
+    model = ModelConfig(**MODEL, seq_length=T, tensor_model_parallel_size=args.tensor, attention_backend="cpu")
+    ctx = initialize_parallel(tensor_parallel_size=args.tensor)
+    config = RunConfig(model=model, trainer=TrainerConfig(precision=args.precision,
+                                                         global_batch_size=ctx.data_parallel_size))
+    engine = build_engine(config, ctx, VOCAB)
+    g = torch.Generator().manual_seed(ctx.data_parallel_rank)
+    tokens = torch.randint(0, VOCAB, (1, T), generator=g)
+    batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T),
+                 position_ids=torch.arange(T)[None], cu_seqlens=torch.tensor([0, T // 4, T // 2, T], dtype=torch.int32),
+                 cu_windows=torch.tensor([0, T], dtype=torch.int32))
+    times = []
+    for _ in range(args.steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        train_step(engine, config, [batch])
+        times.append(time.perf_counter() - start)
+    measured = state_bytes(engine)
+    planned = planned_state_bytes(model, VOCAB, Layout(ctx.world_size, tensor=args.tensor), bf16=args.precision == "bf16",
+                                  distributed_optimizer=True)[ctx.data_parallel_rank]
+    print("ROW " + json.dumps({"rank": ctx.rank, "measured": [measured.weights, measured.gradients, measured.optimizer],
+                               "planned": [planned.weights, planned.gradients, planned.optimizer],
+                               "step_s": min(times[1:])}), flush=True)
+
+
+def scale_table(args) -> None:
+    print(f"Small model {MODEL}, window {args.seq_length}, {args.precision}, distributed optimizer; bytes per rank "
+          f"(measured / planned)")
+    print(f"{'layout':>12} {'rank':>4} {'weights KiB':>17} {'gradients KiB':>17} {'optimizer KiB':>17} {'step s':>7}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": str(REPO)}
+    for processes, tensor in LAYOUTS:
+        launcher = [sys.executable] if processes == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+        out = subprocess.run([*launcher, __file__, "--worker", "--tensor", str(tensor), "--steps", str(args.steps),
+                              "--seq-length", str(args.seq_length), "--precision", args.precision],
+                             capture_output=True, text=True, env=env, check=True)
+        rows = sorted((json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")),
+                      key=lambda r: r["rank"])
+        name = f"DP{processes // tensor} TP{tensor}"
+        for row in rows:
+            cells = [f"{m / 1024:>8.0f} / {p / 1024:<6.0f}" for m, p in zip(row["measured"], row["planned"])]
+            print(f"{name:>12} {row['rank']:>4} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {row['step_s']:>7.3f}")
+
+
+def paper_table() -> None:
+    from nemo_anchor.training.config import load_config
+    from nemo_anchor.training.memory import GIB, Layout, plan_memory
+
+    print("\nnemo-anchor plan on the paper's hardware (8 GPUs x 80 GiB), GiB per GPU")
+    print(f"{'config':<28} {'layout':<16} {'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'logits':>6} "
+          f"{'other':>6} {'total':>6}  verdict")
+    for path in sorted((REPO / "configs" / "paper").glob("*.yaml")):
+        config = load_config(path)
+        m, t = config.model, config.trainer
+        layout = Layout(8, m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
+        p = plan_memory(m, m.vocab_size, layout, gpu_bytes=80 * GIB, micro_batch_size=t.micro_batch_size,
+                        bf16=t.precision == "bf16", distributed_optimizer=t.distributed_optimizer)
+        other = p.recompute_workspace + p.communication + p.reserved
+        shape = f"TP{layout.tensor} CP{layout.context} DP{layout.data}"
+        print(f"{path.name:<28} {shape:<16} " + " ".join(
+            f"{v / GIB:>6.1f}" for v in (p.weights, p.gradients, p.optimizer, p.activations, p.logits, other, p.total))
+            + f"  {'fits' if p.fits else 'does not fit'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32: the faster matmul precision on CPUs without bf16 units")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tensor", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    scale_table(args)
+    paper_table()
+
+
+if __name__ == "__main__":
+    main()
