@@ -228,12 +228,13 @@ class Trainer:
                 step_start = time.perf_counter()
                 last = self.train_step()
                 elapsed = time.perf_counter() - step_start
-                if tokens_seen == 0:  # Adam's state exists from the first step on
-                    logger.log_memory(self.step, self._state_bytes_per_rank())
+                first_step = tokens_seen == 0
                 tokens_seen += last["tokens"]
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     logger.log_step({"step": self.step, **last, "tokens_per_s": last["tokens"] / elapsed,
                                      "step_time_s": elapsed})
+                if first_step:  # Adam's state exists from the first step on
+                    logger.log_memory(self.step, self._state_bytes_per_rank())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                     valid_loss = self.evaluate()
                     if valid_loss is not None:
