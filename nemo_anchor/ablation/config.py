@@ -119,6 +119,8 @@ def validate(config: AblationConfig) -> AblationConfig:
         raise ValueError(f"{key}={value!r}: {why}")
 
     p, e, c, t = config.pack, config.eval, config.checkpoint, config.trainer
+    if config.model.init_from_hf and not Path(config.model.init_from_hf).exists():
+        bad("model.init_from_hf", config.model.init_from_hf, "does not exist: the weights every variant starts from")
     if not p.inputs:
         bad("pack.inputs", list(p.inputs), "list the documents every variant is packed from")
     for item in p.inputs:

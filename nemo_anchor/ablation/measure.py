@@ -38,9 +38,9 @@ class Measurement:
     valid_dir: str  # held-out packed windows (probe sequences)
 
     def key(self, steps: list[int]) -> dict:
-        """Identifies a measurement: a stored result with another key is measured again."""
-        return {"eval": asdict(self.eval), "probe": asdict(self.probe) if self.probe else None, "steps": steps,
-                "dtype": self.dtype, "device": self.device}
+        """Identifies a measurement, as its JSON reads back: a stored result with another key is measured again."""
+        return json.loads(json.dumps({"eval": asdict(self.eval), "probe": asdict(self.probe) if self.probe else None,
+                                      "steps": steps, "dtype": self.dtype, "device": self.device}))
 
 
 def probe_settings(sequences: int, sequence_length: int, seq_length: int) -> ProbeSettings | None:
