@@ -79,22 +79,32 @@ class AblationPlan:
             except ValueError as err:
                 raise ValueError(f"variant {variant.name}: {err}") from None
 
-    def record_or_compare(self) -> None:
-        """First run: write ``DIR/plan.yaml``. Later runs: ValueError listing every shared key that changed."""
-        shared = OmegaConf.to_container(OmegaConf.structured(self.config))
-        shared = {key: shared[key] for key in SHARED_SECTIONS}
-        path = self.root / "plan.yaml"
-        if not path.is_file():
-            with atomic_path(path) as tmp:
-                tmp.write_text(OmegaConf.to_yaml(shared))
+    def shared_settings(self) -> dict:
+        """The sections every variant shares (SHARED_SECTIONS), as plain data."""
+        tree = OmegaConf.to_container(OmegaConf.structured(self.config))
+        return {key: tree[key] for key in SHARED_SECTIONS}
+
+    @property
+    def plan_file(self) -> Path:
+        return self.root / "plan.yaml"
+
+    def compare_with_recorded(self) -> None:
+        """ValueError listing every shared key that changed since the ablation's first training started."""
+        if not self.plan_file.is_file():
             return
-        before = _flatten(OmegaConf.to_container(OmegaConf.load(path)))
-        now = _flatten(shared)
+        before = _flatten(OmegaConf.to_container(OmegaConf.load(self.plan_file)))
+        now = _flatten(self.shared_settings())
         changed = sorted(key for key in before.keys() | now.keys() if before.get(key) != now.get(key))
         if changed:
             details = ", ".join(f"{key}: {before.get(key)!r} -> {now.get(key)!r}" for key in changed)
             raise ValueError(f"{self.root} holds an ablation trained with other settings ({details}); finished "
                              f"variants would not be comparable: use a new --output or the same config")
+
+    def record(self) -> None:
+        """Write ``DIR/plan.yaml`` (once every check passed, before the first training step)."""
+        if not self.plan_file.is_file():
+            with atomic_path(self.plan_file) as tmp:
+                tmp.write_text(OmegaConf.to_yaml(self.shared_settings()))
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -43,9 +43,11 @@ def metric_columns(variants: dict[str, dict]) -> list[tuple[str, str]]:
 def markdown(report: dict) -> str:
     variants, reference = report["variants"], report["reference"]
     columns = metric_columns(variants)
+    start = {True: "verified identical starting weights", False: "DIFFERENT starting weights (see start digests)",
+             None: "starting weights not verified (a variant was trained by a torchrun launch)"}[report["same_start"]]
     lines = [f"# Ablation: {', '.join(variants)}", "",
-             f"{report['steps']} steps per variant, same starting weights ({report['start']}), same documents and "
-             f"seed. Values: mean ± sample std over the last {report['last_k']} checkpoints (steps "
+             f"{report['steps']} steps per variant from {report['start']} ({start}), on the same documents with "
+             f"the same seed. Values: mean ± sample std over the last {report['last_k']} checkpoints (steps "
              f"{report['checkpoint_steps']}); tokens/s: over training steps.", "",
              "| variant | " + " | ".join(label for _, label in columns) + " |",
              "|---|" + "---:|" * len(columns)]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+import shutil
+
 import torch
 
 from nemo_anchor.ablation import plots, report
@@ -32,11 +34,12 @@ def prepare(plan: AblationPlan) -> Measurement:
     Returns the measurement every variant gets. Raises ValueError naming the bad key or value.
     """
     plan.check_variants()
+    plan.compare_with_recorded()
     plan.root.mkdir(parents=True, exist_ok=True)
-    plan.record_or_compare()
     pack_documents(plan)
     measurement = _measurement(plan)
     _check_eval_inputs(plan, measurement)
+    plan.record()
     for variant in plan.variants:
         with atomic_path(plan.run_config_file(variant)) as tmp:
             tmp.write_text(to_yaml(plan.run_config(variant)))
@@ -47,8 +50,16 @@ def pack_documents(plan: AblationPlan) -> None:
     """``DIR/data/<packing>``: the same documents, tokenizer and held-out split; only the packing option differs.
 
     The tag and interleave packings reuse the plain packing's tokenizer, so a trained BPE is trained once.
+    Data packed by an earlier attempt with other pack settings (possible only before any training:
+    afterwards the plan refuses changes) is packed again.
     """
     p = plan.config.pack
+    settings = {"seq_length": plan.config.model.seq_length, "pack": plan.shared_settings()["pack"]}
+    record = plan.root / "data" / "settings.json"
+    if record.is_file() and json.loads(record.read_text()) != settings:
+        print(f"pack settings changed since {record} was written: packing again", flush=True)
+        shutil.rmtree(plan.root / "data")
+    write_json(record, settings)
     tokenizer = p.tokenizer
     for packing in plan.packings:
         target = plan.data_dir(packing)
