@@ -29,7 +29,8 @@ def plot_loss_curves(report: dict, path: str | Path) -> None:
 
 def plot_ruler(report: dict, path: str | Path) -> bool:
     """RULER average score against context length per variant; False (nothing written) without RULER."""
-    return _per_variant(report, "ruler@", "RULER (mean over tasks)", "context length (tokens)", "score (%)", path)
+    return _per_variant(report, "ruler@", "RULER (mean over tasks)", "context length (tokens)", "score (%)", path,
+                        ylim=(-2, 102))
 
 
 def plot_perplexity(report: dict, path: str | Path) -> bool:
@@ -38,7 +39,8 @@ def plot_perplexity(report: dict, path: str | Path) -> bool:
                         "perplexity", path)
 
 
-def _per_variant(report: dict, prefix: str, title: str, xlabel: str, ylabel: str, path: str | Path) -> bool:
+def _per_variant(report: dict, prefix: str, title: str, xlabel: str, ylabel: str, path: str | Path,
+                 ylim: tuple[float, float] | None = None) -> bool:
     figure, axis = plt.subplots(figsize=(7, 4.4))
     plotted = False
     for name, measured in report["variants"].items():
@@ -55,6 +57,8 @@ def _per_variant(report: dict, prefix: str, title: str, xlabel: str, ylabel: str
         plt.close(figure)
         return False
     axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if ylim is not None:
+        axis.set_ylim(*ylim)
     axis.legend(fontsize=7)
     save_figure(figure, path)
     return True
