@@ -72,14 +72,15 @@ def noise_statements(comparisons: list[dict]) -> list[str]:
             continue
         beyond = [c for c in mine if c["within_noise"] is False]
         within = [c for c in mine if c["within_noise"]]
+        no_spread = f" No spread measured for: {', '.join(c['label'] for c in unknown)}." if unknown else ""
         if not beyond:
             lines.append(f"- **{name}**: every difference from {mine[0]['reference']} is within the noise "
-                         f"({len(within)} metrics): no evidence here that it is better or worse.")
+                         f"({len(within)} metrics): no evidence here that it is better or worse.{no_spread}")
             continue
         described = "; ".join(f"{c['label']} {_signed(c['difference'])} (noise ±{c['noise']:.3g}, "
                               f"{_verdict(c)})" for c in beyond)
         lines.append(f"- **{name}**: beyond the noise: {described}. Within the noise: "
-                     f"{', '.join(c['label'] for c in within) or 'none'}.")
+                     f"{', '.join(c['label'] for c in within) or 'none'}.{no_spread}")
     return lines
 
 
