@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "nemo_anchor.export.cli": ("export-hf", "import-hf"),
     "nemo_anchor.analysis.cli": ("probe",),
     "nemo_anchor.evaluation.cli": ("eval",),
+    "nemo_anchor.ablation.cli": ("ablate",),
 }
 
 
