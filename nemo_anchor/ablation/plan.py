@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from nemo_anchor.ablation.config import AblationConfig
 from nemo_anchor.ablation.variants import Variant
 from nemo_anchor.data.layout import VALID_SUBDIR
-from nemo_anchor.evaluation.outputs import atomic_path
+from nemo_anchor.atomic import atomic_file
 from nemo_anchor.training.config import DataConfig, RunConfig
 
 # what every variant must share; eval settings may change between runs (variants are re-evaluated)
@@ -103,7 +103,7 @@ class AblationPlan:
     def record(self) -> None:
         """Write ``DIR/plan.yaml`` (once every check passed, before the first training step)."""
         if not self.plan_file.is_file():
-            with atomic_path(self.plan_file) as tmp:
+            with atomic_file(self.plan_file) as tmp:
                 tmp.write_text(OmegaConf.to_yaml(self.shared_settings()))
 
 

@@ -22,7 +22,8 @@ from nemo_anchor.ablation.plan import AblationPlan
 from nemo_anchor.ablation.variants import Variant
 from nemo_anchor.data import PackedDataset, load_tokenizer, pack
 from nemo_anchor.data.layout import METADATA_FILE
-from nemo_anchor.evaluation.outputs import atomic_path, write_json
+from nemo_anchor.atomic import atomic_file
+from nemo_anchor.evaluation.outputs import write_json
 from nemo_anchor.evaluation.runner import EvalSettings, build_prompts
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training.config import to_yaml
@@ -41,7 +42,7 @@ def prepare(plan: AblationPlan) -> Measurement:
     _check_eval_inputs(plan, measurement)
     plan.record()
     for variant in plan.variants:
-        with atomic_path(plan.run_config_file(variant)) as tmp:
+        with atomic_file(plan.run_config_file(variant)) as tmp:
             tmp.write_text(to_yaml(plan.run_config(variant)))
     return measurement
 
@@ -217,7 +218,7 @@ def assemble(plan: AblationPlan, measured: dict[str, dict]) -> dict:
 
 def write_report(plan: AblationPlan, content: dict) -> None:
     write_json(plan.root / "ablation.json", content)
-    with atomic_path(plan.root / "ablation.md") as tmp:
+    with atomic_file(plan.root / "ablation.md") as tmp:
         tmp.write_text(report.markdown(content))
     plots.plot_loss_curves(content, plan.root / "loss_curves.png")
     plots.plot_ruler(content, plan.root / "ruler_vs_length.png")
