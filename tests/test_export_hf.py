@@ -139,9 +139,10 @@ def test_round_trip_hf_ours_hf_keeps_logits(tmp_path, family):
     exported = export_hf(ours, tmp_path / "back")
     back = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     assert type(back) is type(hf)
-    for key in ("rope_theta", "max_position_embeddings", "num_key_value_heads", "vocab_size", "tie_word_embeddings",
-                "head_dim"):
+    for key in ("rope_theta", "max_position_embeddings", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert getattr(back.config, key) == getattr(hf.config, key), key
+    head_dim = [getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads for c in (back.config, hf.config)]
+    assert head_dim[0] == head_dim[1]
     assert getattr(back.config, "rope_scaling", None) == getattr(hf.config, "rope_scaling", None)
     loaded, tokenizer = load_hf_model(tmp_path / "hf")
     assert tokenizer.bos_token_id == BOS
