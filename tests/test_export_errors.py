@@ -97,6 +97,15 @@ def test_rope_scaling_megatron_cannot_do_is_named(rope_scaling, named):
         model_config_from_hf(config)
 
 
+def test_nemo_llama31_config_is_refused_not_misread(tmp_path):
+    (tmp_path / "nemo" / "weights").mkdir(parents=True)
+    (tmp_path / "nemo" / "context").mkdir()
+    (tmp_path / "nemo" / "context" / "model.yaml").write_text(
+        "config:\n  _target_: nemo.collections.llm.gpt.model.llama.Llama31Config8B\n")
+    with pytest.raises(ValueError, match="Llama31Config8B'? is not supported: its Llama 3.1/3.2 RoPE scaling"):
+        load_checkpoint(tmp_path / "nemo")
+
+
 def test_llama3_scaling_needs_its_original_length():
     with pytest.raises(ValueError, match="model.original_max_position_embeddings=4096: must be 8192"):
         ModelConfig(rope_scaling="llama3", rope_scaling_factor=8.0, original_max_position_embeddings=4096)
