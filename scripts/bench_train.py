@@ -2,11 +2,15 @@
 
     python scripts/bench_train.py                       # 4K, 8K, 16K windows, every attention type
     python scripts/bench_train.py --lengths 4096 --steps 3
+    python scripts/bench_train.py --model smollm2 --kinds full anchor --lengths 512 1024 --precision fp32
 
-Each (attention_type, window) runs in a fresh subprocess (clean peak RSS): a small Llama-shaped
-Megatron GPT in bf16 through the trainer's engine (Megatron DDP, fp32 master weights, Megatron
-AdamW), one packed window per step whose documents have seeded log-normal lengths. Prints tokens/s, the ratio against
-`full` at the same window, and peak RSS.
+Each (attention_type, window) runs in a fresh subprocess (clean peak RSS): a Megatron GPT through
+the trainer's engine (Megatron DDP, fp32 master weights, Megatron AdamW), one packed window per
+step whose documents have seeded log-normal lengths. ``--model tiny`` is a small Llama-shaped
+model; ``--model smollm2`` is SmolLM2-135M's shape (30 layers, hidden 576, vocabulary 49152, read
+from the directory ``nemo_anchor.export.pretrained`` prepares), randomly initialised: the
+weights' values do not change the time. Prints tokens/s, the ratio against `full` at the same
+window, and peak RSS.
 """
 from __future__ import annotations
 
@@ -39,11 +43,20 @@ def worker(args) -> dict:
     from nemo_anchor.training.config import RunConfig, TrainerConfig
     from nemo_anchor.training.engine import build_engine, train_step
 
-    T, vocab = args.length, 4096
-    config = RunConfig(
-        model=ModelConfig(attention_type=args.kind, seq_length=T, num_layers=4, hidden_size=256, ffn_hidden_size=640,
-                          num_attention_heads=4, num_query_groups=2),
-        trainer=TrainerConfig(precision="bf16", global_batch_size=1, micro_batch_size=1))
+    T = args.length
+    if args.model == "smollm2":
+        import transformers
+
+        from nemo_anchor.export.hf_mapping import model_config_from_hf
+        from nemo_anchor.export.pretrained import prepare_smollm2
+
+        hf_config = transformers.AutoConfig.from_pretrained(prepare_smollm2())
+        model, vocab = model_config_from_hf(hf_config, attention_type=args.kind, seq_length=T), hf_config.vocab_size
+    else:
+        model, vocab = ModelConfig(attention_type=args.kind, seq_length=T, num_layers=4, hidden_size=256,
+                                   ffn_hidden_size=640, num_attention_heads=4, num_query_groups=2), 4096
+    config = RunConfig(model=model, trainer=TrainerConfig(precision=args.precision, global_batch_size=1,
+                                                          micro_batch_size=1))
     engine = build_engine(config, initialize_parallel(), vocab)  # the trainer's own engine: DDP + Megatron AdamW
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, T), generator=g)
@@ -66,6 +79,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny", help="model shape (default: tiny)")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="training precision")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -73,12 +88,14 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
+    print(f"model {args.model}, {args.precision}, {args.steps} timed step(s) after {args.warmup} warm-up (best kept)")
     print(f"{'window':>7} {'attention_type':>16} {'docs':>5} {'step s':>8} {'tokens/s':>9} {'x full':>7} {'peak RSS MB':>12}")
     for length in args.lengths:
         full = None
         for kind in args.kinds:
             out = subprocess.run([sys.executable, __file__, "--worker", "--kind", kind, "--length", str(length),
-                                  "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
+                                  "--precision", args.precision],
                                  capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             full = row["tokens_per_s"] if kind == "full" else full

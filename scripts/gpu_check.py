@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from nemo_anchor import gpu_check as check
-from nemo_anchor.data.atomic import atomic_file
+from nemo_anchor.atomic import atomic_file
 
 BACKENDS = ("torch_varlen", "flex", "flash", "te", "reference")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

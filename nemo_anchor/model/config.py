@@ -11,7 +11,9 @@ from typing import Optional
 from nemo_anchor.attention.paradigms import attention_type_names
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
-ROPE_SCALINGS = ("none", "yarn", "ntk")
+ROPE_SCALINGS = ("none", "yarn", "ntk", "llama3")
+# Megatron-Core's Llama 3.x RoPE scaling fixes these (Llama 3.1 and 3.2 use them); only the factor varies.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 # Section 4.3 of the paper: the RoPE base grows with the training window.
 _PAPER_ROPE_BASES = ((4096, 10_000.0), (16_384, 1e6), (32_768, 1e6), (65_536, 5e6), (131_072, 1e7), (262_144, 5e7))
@@ -39,8 +41,8 @@ class ModelConfig:
     vocab_size: Optional[int] = None  # default: the tokenizer's
     seq_length: int = 1024  # training window; exported as max_position_embeddings
     rotary_base: str = "auto"  # a number, or "auto" for the paper's schedule by seq_length
-    rope_scaling: str = "none"  # none | yarn | ntk
-    rope_scaling_factor: float = 1.0  # s = T_new / T_original for yarn and ntk
+    rope_scaling: str = "none"  # none | yarn | ntk | llama3 (Llama 3.1/3.2 frequency rescaling)
+    rope_scaling_factor: float = 1.0  # s = T_new / T_original for yarn and ntk; llama3's "factor"
     original_max_position_embeddings: int = 4096
     rope_in_fp32: bool = False  # rotate q/k in fp32 (cos/sin are always computed in fp32)
     norm_epsilon: float = 1e-5
@@ -84,6 +86,10 @@ class ModelConfig:
             bad("hidden_size", self.hidden_size, f"must be divisible by num_attention_heads={self.num_attention_heads}")
         if self.rope_scaling != "none" and self.rope_scaling_factor < 1:
             bad("rope_scaling_factor", self.rope_scaling_factor, "must be >= 1 with rope scaling")
+        original = LLAMA3_ROPE["original_max_position_embeddings"]
+        if self.rope_scaling == "llama3" and self.original_max_position_embeddings != original:
+            bad("original_max_position_embeddings", self.original_max_position_embeddings,
+                f"must be {original} with rope_scaling=llama3 (Megatron-Core's Llama 3.x scaling fixes it)")
         self._validate_parallelism(bad)
         self.resolved_rotary_base()
 

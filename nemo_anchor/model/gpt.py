@@ -112,6 +112,8 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, *, bf16: bool = False, sp
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="yarn" if cfg.rope_scaling == "yarn" else "rope",
         rotary_base=cfg.resolved_rotary_base(),
+        rope_scaling=cfg.rope_scaling == "llama3",
+        rope_scaling_factor=cfg.rope_scaling_factor,
     )
 
 
