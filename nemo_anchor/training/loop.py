@@ -22,6 +22,7 @@ from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
+from nemo_anchor.training import throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
 from nemo_anchor.training.engine import Engine, build_engine, run_microbatches, train_step
 from nemo_anchor.training.metrics import MetricsLogger
@@ -93,6 +94,8 @@ class Trainer:
             self.resumed_from = resume_from
         self.config_yaml = to_yaml(self.config)
         self._prepare_output_dir()
+        self.peak_tflops, peak_source = throughput.resolve_peak_tflops(t.peak_tflops, self.ctx.device, t.precision)
+        self._say(f"MFU against {self.peak_tflops:.4g} TFLOP/s per device ({peak_source})")
 
     # ----------------------------------------------------------------- setup
     def _say(self, message: str) -> None:
@@ -167,7 +170,8 @@ class Trainer:
                                      self.ctx.data_parallel_size)]
         record = train_step(self.engine, self.config, batches)
         self.step += 1
-        return {**record, "tokens": t.global_batch_size * self.config.model.seq_length}
+        flops = throughput.global_batch_flops(self.config.model, self.config.model.vocab_size, self.dataset, windows)
+        return {**record, "tokens": t.global_batch_size * self.config.model.seq_length, "flops": flops}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -205,10 +209,12 @@ class Trainer:
                 step_start = time.perf_counter()
                 last = self.train_step()
                 elapsed = time.perf_counter() - step_start
+                flops = last.pop("flops")
                 tokens_seen += last["tokens"]
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     logger.log_step({"step": self.step, **last, "tokens_per_s": last["tokens"] / elapsed,
-                                     "step_time_s": elapsed})
+                                     "step_time_s": elapsed,
+                                     **throughput.rates(flops, elapsed, self.ctx.world_size, self.peak_tflops)})
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                     valid_loss = self.evaluate()
                     if valid_loss is not None:
