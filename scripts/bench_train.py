@@ -4,9 +4,14 @@
     python scripts/bench_train.py --lengths 4096 --steps 3
 
 Each (attention_type, window) runs in a fresh subprocess (clean peak RSS): a small Llama-shaped
-Megatron GPT in bf16 through the trainer's engine (Megatron DDP, fp32 master weights, Megatron
-AdamW), one packed window per step whose documents have seeded log-normal lengths. Prints tokens/s, the ratio against
-`full` at the same window, and peak RSS.
+Megatron GPT through the trainer's engine (Megatron DDP, fp32 master weights, Megatron AdamW),
+one packed window per step whose documents have seeded log-normal lengths. Prints tokens/s, the
+ratio against `full` at the same window, achieved TFLOP/s and MFU (the step's FLOPs from
+nemo_anchor.model.flops over the step time, against the matmul peak measured in the same process
+in the training precision), and peak RSS.
+
+``--precision auto`` (the default) trains in the precision whose matmuls run faster on this
+machine (measured first and printed): on CPUs without native bf16 matmuls that is fp32.
 """
 from __future__ import annotations
 
@@ -37,13 +42,15 @@ def worker(args) -> dict:
     from nemo_anchor.model.config import ModelConfig
     from nemo_anchor.parallel.distributed import initialize_parallel
     from nemo_anchor.training.config import RunConfig, TrainerConfig
+    from nemo_anchor.model.flops import train_step_flops
     from nemo_anchor.training.engine import build_engine, train_step
+    from nemo_anchor.training.throughput import measure_matmul_tflops
 
     T, vocab = args.length, 4096
     config = RunConfig(
         model=ModelConfig(attention_type=args.kind, seq_length=T, num_layers=4, hidden_size=256, ffn_hidden_size=640,
                           num_attention_heads=4, num_query_groups=2),
-        trainer=TrainerConfig(precision="bf16", global_batch_size=1, micro_batch_size=1))
+        trainer=TrainerConfig(precision=args.precision, global_batch_size=1, micro_batch_size=1))
     engine = build_engine(config, initialize_parallel(), vocab)  # the trainer's own engine: DDP + Megatron AdamW
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, T), generator=g)
@@ -56,8 +63,11 @@ def worker(args) -> dict:
         train_step(engine, config, [batch])
         times.append(time.perf_counter() - start)
     step = min(times[args.warmup:])
+    tflops = train_step_flops(config.model, vocab, [batch["cu_seqlens"]]) / step / 1e12
+    peak = measure_matmul_tflops(torch.device("cpu"), args.precision, seconds=0.5)
     return {"kind": args.kind, "length": T, "documents": len(batch["cu_seqlens"]) - 1, "step_s": step,
-            "tokens_per_s": T / step, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "tokens_per_s": T / step, "tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main() -> None:
@@ -66,6 +76,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="training precision; auto: the one whose matmuls are faster here (measured)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -73,18 +85,26 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    print(f"{'window':>7} {'attention_type':>16} {'docs':>5} {'step s':>8} {'tokens/s':>9} {'x full':>7} {'peak RSS MB':>12}")
+    if args.precision == "auto":
+        from nemo_anchor.training.throughput import faster_cpu_precision
+
+        args.precision, measured = faster_cpu_precision(seconds=0.5)
+        print("matmul TFLOP/s on this CPU: " + ", ".join(f"{p} {t:.4f}" for p, t in measured.items())
+              + f" -> training in {args.precision}")
+    print(f"{'window':>7} {'attention_type':>16} {'docs':>5} {'step s':>8} {'tokens/s':>9} {'x full':>7} "
+          f"{'TFLOP/s':>8} {'MFU':>6} {'peak RSS MB':>12}")
     for length in args.lengths:
         full = None
         for kind in args.kinds:
             out = subprocess.run([sys.executable, __file__, "--worker", "--kind", kind, "--length", str(length),
-                                  "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                                  "--steps", str(args.steps), "--warmup", str(args.warmup),
+                                  "--precision", args.precision],
                                  capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             full = row["tokens_per_s"] if kind == "full" else full
             ratio = f"{row['tokens_per_s'] / full:.2f}" if full else "-"
             print(f"{length:>7} {kind:>16} {row['documents']:>5} {row['step_s']:>8.3f} {row['tokens_per_s']:>9.0f} "
-                  f"{ratio:>7} {row['peak_rss_mb']:>12.0f}", flush=True)
+                  f"{ratio:>7} {row['tflops']:>8.4f} {row['mfu']:>6.1%} {row['peak_rss_mb']:>12.0f}", flush=True)
 
 
 if __name__ == "__main__":
