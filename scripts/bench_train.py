@@ -10,7 +10,11 @@ step whose documents have seeded log-normal lengths. ``--model tiny`` is a small
 model; ``--model smollm2`` is SmolLM2-135M's shape (30 layers, hidden 576, vocabulary 49152, read
 from the directory ``nemo_anchor.export.pretrained`` prepares), randomly initialised: the
 weights' values do not change the time. Prints tokens/s, the ratio against `full` at the same
-window, and peak RSS.
+window, achieved TFLOP/s and MFU (the step's FLOPs from nemo_anchor.model.flops over the step
+time, against the matmul peak measured in the same process in the training precision), and peak RSS.
+
+``--precision auto`` (the default) trains in the precision whose matmuls run faster on this
+machine (measured first and printed): on CPUs without native bf16 matmuls that is fp32.
 """
 from __future__ import annotations
 
@@ -41,7 +45,9 @@ def worker(args) -> dict:
     from nemo_anchor.model.config import ModelConfig
     from nemo_anchor.parallel.distributed import initialize_parallel
     from nemo_anchor.training.config import RunConfig, TrainerConfig
+    from nemo_anchor.model.flops import train_step_flops
     from nemo_anchor.training.engine import build_engine, train_step
+    from nemo_anchor.training.throughput import measure_matmul_tflops
 
     T = args.length
     if args.model == "smollm2":
@@ -69,8 +75,11 @@ def worker(args) -> dict:
         train_step(engine, config, [batch])
         times.append(time.perf_counter() - start)
     step = min(times[args.warmup:])
+    tflops = train_step_flops(config.model, vocab, [batch["cu_seqlens"]]) / step / 1e12
+    peak = measure_matmul_tflops(torch.device("cpu"), args.precision, seconds=0.5)
     return {"kind": args.kind, "length": T, "documents": len(batch["cu_seqlens"]) - 1, "step_s": step,
-            "tokens_per_s": T / step, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "tokens_per_s": T / step, "tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main() -> None:
@@ -80,7 +89,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny", help="model shape (default: tiny)")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="training precision")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="training precision; auto: the one whose matmuls are faster here (measured)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -88,8 +98,15 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
+    if args.precision == "auto":
+        from nemo_anchor.training.throughput import faster_cpu_precision
+
+        args.precision, measured = faster_cpu_precision(seconds=0.5)
+        print("matmul TFLOP/s on this CPU: " + ", ".join(f"{p} {t:.4f}" for p, t in measured.items())
+              + f" -> training in {args.precision}")
     print(f"model {args.model}, {args.precision}, {args.steps} timed step(s) after {args.warmup} warm-up (best kept)")
-    print(f"{'window':>7} {'attention_type':>16} {'docs':>5} {'step s':>8} {'tokens/s':>9} {'x full':>7} {'peak RSS MB':>12}")
+    print(f"{'window':>7} {'attention_type':>16} {'docs':>5} {'step s':>8} {'tokens/s':>9} {'x full':>7} "
+          f"{'TFLOP/s':>8} {'MFU':>6} {'peak RSS MB':>12}")
     for length in args.lengths:
         full = None
         for kind in args.kinds:
@@ -101,7 +118,7 @@ def main() -> None:
             full = row["tokens_per_s"] if kind == "full" else full
             ratio = f"{row['tokens_per_s'] / full:.2f}" if full else "-"
             print(f"{length:>7} {kind:>16} {row['documents']:>5} {row['step_s']:>8.3f} {row['tokens_per_s']:>9.0f} "
-                  f"{ratio:>7} {row['peak_rss_mb']:>12.0f}", flush=True)
+                  f"{ratio:>7} {row['tflops']:>8.4f} {row['mfu']:>6.1%} {row['peak_rss_mb']:>12.0f}", flush=True)
 
 
 if __name__ == "__main__":

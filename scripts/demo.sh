@@ -24,7 +24,7 @@ if [ ! -f "$RUN/packed/metadata.json" ]; then
     --valid-fraction 0.02 --shuffle --output "$RUN/packed" --overwrite
 fi
 
-step "3/6 train: $STEPS steps, attention_type=anchor, bf16 (resumes if $RUN/train has checkpoints)"
+step "3/6 train: $STEPS steps, attention_type=anchor, fp32 on this CPU (resumes if $RUN/train has checkpoints)"
 nemo-anchor train --config configs/demo.yaml output_dir="$RUN/train" data.path="$RUN/packed" \
   data.valid_path="$RUN/packed/valid" trainer.max_steps="$STEPS"
 

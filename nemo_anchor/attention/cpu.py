@@ -1,19 +1,30 @@
-"""Fast CPU backend: torch's CPU flash-attention kernel per query block, merged through the log-sum-exp.
+"""Fast CPU backend: torch's CPU flash-attention kernel on documents batched by length.
 
-The keys a block sees split into parts that need no mask: the causal diagonal (its queries
-against their own positions: a square, where the kernel's top-left causal mask is the right
-one), the keys before its first query (all visible: with ``q_offset``, or a BOS-only first
-document), and the anchor column (one key). The kernel runs per block and part; the anchor
-column is computed for all rows of a window at once, in a handful of vectorised ops (many small
-ops per document cost more than the kernel on a busy machine), and merged through the
-log-sum-exp.
+Each query block (a document) is one *entry* of a kernel call: its queries against their own
+positions, a square where the kernel's top-left causal mask is the right one. A block with an
+anchor puts the anchor key in front of its keys and a dummy query in front of its queries: query
+``i + 1`` then sees the anchor and the block's keys up to its own, exactly the anchor mask, in
+one softmax; the dummy row is dropped. Keys a block sees before its first query (with
+``q_offset``, or after a BOS-only first document) form a second, unmasked part merged through
+the log-sum-exp (rare: per block).
+
+Entries of similar length share one kernel call, a *bucket*: their rows are gathered into one
+padded ``[n, H, L, D]`` batch (padding at each entry's end, so the causal mask keeps real queries
+off padded keys). Lengths within a bucket differ by at most ``_BUCKET_RATIO`` (entries up to
+``_SHORT`` share one bucket), which bounds the padded work; a bucket of one block without anchor
+reads its rows as views. A window then costs about a dozen kernel calls, however many documents
+it holds.
 
 The kernel returns its log-sum-exp without a gradient, hence this ``autograd.Function``: its
 backward runs the kernel's backward on each part with the *merged* output and log-sum-exp,
-which gives the exact gradients of the merged softmax (the identity ring attention relies on).
-Memory O(T * H * D): no mask or score matrix is ever built.
+which gives the exact gradients of the merged softmax (the identity ring attention relies on);
+dummy and padded query rows get an infinite log-sum-exp there, so they contribute nothing.
+Memory O(T * H * D): no mask or score matrix is ever built; the padded buckets are O(T) too.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +32,11 @@ from nemo_anchor.attention.layout import QueryBlock
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+# a bucket's blocks are at least 1 / _BUCKET_RATIO of its longest: padded work <= 1 - 1/ratio^2 of the bucket's
+_BUCKET_RATIO = 1.25
+# diagonals up to this length share one bucket whatever their ratio: per-call overhead dominates there
+_SHORT = 32
 
 
 def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
@@ -36,31 +52,93 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def _kernel_calls(blocks: tuple[QueryBlock, ...], q_offset: int):
-    """``(rows of q, key rows, causal)`` of every kernel call: per block its diagonal, then its prefix."""
-    for block in blocks:
-        rows = slice(block.start - q_offset, block.end - q_offset)
-        yield rows, slice(block.start, block.end), True
-        if block.key_start < block.start:
-            yield rows, slice(block.key_start, block.start), False
+@dataclass(frozen=True)
+class _Bucket:
+    """Entries padded to ``length`` and batched: one kernel call.
+
+    ``rows``/``keys``: the q rows and key positions of the padded slots (int64 ``[count * length]``;
+    slices for a single entry without anchor, then read as views). ``docs``: ``(first q row,
+    queries)`` of each entry, whose queries sit at slots ``lead .. lead + queries``; ``lead`` is 1
+    when slot 0 holds the anchor key (and a dummy query), whose positions are ``anchors``.
+    """
+
+    count: int
+    length: int
+    rows: slice | torch.Tensor
+    keys: slice | torch.Tensor
+    docs: tuple[tuple[int, int], ...]
+    lead: int
+    anchors: torch.Tensor | None
+
+    def gather(self, x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+        """``x[index]`` (``[T, H, D]`` or ``[T, H]``) as the kernel's ``[count, H, length, ...]``."""
+        if isinstance(index, slice):
+            return x[index].transpose(0, 1).unsqueeze(0)
+        return x.index_select(0, index).view(self.count, self.length, *x.shape[1:]).transpose(1, 2)
+
+    def gather_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """The kernel's ``[count, H, length]`` log-sum-exp for the backward: +inf outside the real query slots.
+
+        With it the dummy and padded queries' probabilities are 0, so they add nothing to dq, dk,
+        dv, whatever their (copied, finite) q, output and output gradient.
+        """
+        picked = self.gather(lse, self.rows)
+        for i, (_, queries) in enumerate(self.docs):
+            if self.lead:
+                picked[i, :, 0] = float("inf")
+            if self.lead + queries < self.length:
+                picked[i, :, self.lead + queries:] = float("inf")
+        return picked
+
+    def scatter(self, target: torch.Tensor, part: torch.Tensor, offset: int = 0) -> None:
+        """Write the query slots of ``part`` (the kernel's ``[count, H, length, ...]``) to ``target`` at rows + offset."""
+        part = part.transpose(1, 2)  # [count, length, H, ...]
+        for i, (row, queries) in enumerate(self.docs):
+            target[row + offset:row + offset + queries] = part[i, self.lead:self.lead + queries]
+
+    def add_anchor_grad(self, target: torch.Tensor, part: torch.Tensor) -> None:
+        """Add the anchor slots' gradients (``part``: the kernel's ``[count, H, length, D]``) to ``target``'s anchor rows."""
+        target.index_add_(0, self.anchors, part[:, :, 0].float())
 
 
-def _anchor_runs(blocks: tuple[QueryBlock, ...], q_offset: int) -> list[tuple[slice, int]]:
-    """``(rows of q, anchor)`` for each run of consecutive blocks sharing an anchor (about one per window)."""
-    runs: list[tuple[slice, int]] = []
-    for block in blocks:
-        if block.anchor is None:
+@functools.lru_cache(maxsize=64)
+def _buckets(blocks: tuple[QueryBlock, ...], q_offset: int) -> tuple[_Bucket, ...]:
+    """The query blocks as bucketed entries (see the module docstring)."""
+    entries = sorted(((b.end - b.start + (b.anchor is not None), b.anchor is not None, b.start, b.anchor)
+                      for b in blocks), key=lambda e: (e[1], e[0]), reverse=True)
+    groups: list[list[tuple]] = []
+    for entry in entries:
+        top = groups[-1][0] if groups else None
+        if top is not None and top[1] == entry[1] and (entry[0] * _BUCKET_RATIO >= top[0] or top[0] <= _SHORT):
+            groups[-1].append(entry)
+        else:
+            groups.append([entry])
+    buckets = []
+    for group in groups:
+        width, lead = group[0][0], int(group[0][1])
+        docs = tuple((start - q_offset, length - lead) for length, _, start, _ in group)
+        if len(group) == 1 and not lead:
+            start = docs[0][0]
+            buckets.append(_Bucket(1, width, slice(start, start + width),
+                                   slice(start + q_offset, start + q_offset + width), docs, 0, None))
             continue
-        start, end = block.start - q_offset, block.end - q_offset
-        if runs and runs[-1][1] == block.anchor and runs[-1][0].stop == start:
-            start = runs.pop()[0].start
-        runs.append((slice(start, end), block.anchor))
-    return runs
+        rows = torch.empty(len(group), width, dtype=torch.long)
+        keys = torch.empty(len(group), width, dtype=torch.long)
+        for i, ((row, queries), (_, _, _, anchor)) in enumerate(zip(docs, group)):
+            rows[i] = row  # the dummy and padded slots repeat the entry's first query
+            rows[i, lead:lead + queries] = torch.arange(row, row + queries)
+            keys[i] = row + q_offset if anchor is None else anchor
+            keys[i, lead:lead + queries] = torch.arange(row + q_offset, row + q_offset + queries)
+        anchors = torch.tensor([e[3] for e in group]) if lead else None
+        buckets.append(_Bucket(len(group), width, rows.reshape(-1), keys.reshape(-1), docs, lead, anchors))
+    return tuple(buckets)
 
 
-def _per_query_head(x: torch.Tensor, query_heads: int) -> torch.Tensor:
-    """``[Hkv, D]`` -> fp32 ``[Hq, D]``: query head h reads key/value head h // group."""
-    return x.float().repeat_interleave(query_heads // x.shape[0], 0)
+def _prefix_calls(blocks: tuple[QueryBlock, ...], q_offset: int):
+    """``(rows of q, key rows)`` of the blocks whose queries also see all keys before their first one."""
+    for block in blocks:
+        if block.key_start < block.start:
+            yield slice(block.start - q_offset, block.end - q_offset), slice(block.key_start, block.start)
 
 
 def _merge(out, lse, rows, part_out, part_lse):
@@ -78,16 +156,15 @@ class _BlockwiseFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, blocks, q_offset, scale):
         out = torch.empty_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32)  # [Tq, Hq]: the kernel's memory order
-        for rows, keys, causal in _kernel_calls(blocks, q_offset):
-            o, l = _flash(_bhsd(q[rows]), _bhsd(k[keys]), _bhsd(v[keys]), 0.0, causal, scale=scale)
-            if causal:  # the first part of its block
-                out[rows], lse[rows] = o[0].transpose(0, 1), l[0].transpose(0, 1)
-            else:
-                _merge(out, lse, rows, o[0].transpose(0, 1), l[0].transpose(0, 1))
-        for rows, anchor in _anchor_runs(blocks, q_offset):
-            scores = torch.einsum("rhd,hd->rh", q[rows].float(), _per_query_head(k[anchor], q.shape[1])) * scale
-            _merge(out, lse, rows, _per_query_head(v[anchor], q.shape[1]), scores)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)  # [Tq, Hq]: the kernel's memory order
+        for bucket in _buckets(blocks, q_offset):  # every query row is in exactly one entry
+            o, l = _flash(bucket.gather(q, bucket.rows), bucket.gather(k, bucket.keys), bucket.gather(v, bucket.keys),
+                          0.0, True, scale=scale)
+            bucket.scatter(out, o)
+            bucket.scatter(lse, l)
+        for rows, keys in _prefix_calls(blocks, q_offset):
+            o, l = _flash(_bhsd(q[rows]), _bhsd(k[keys]), _bhsd(v[keys]), 0.0, False, scale=scale)
+            _merge(out, lse, rows, o[0].transpose(0, 1), l[0].transpose(0, 1))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.blocks, ctx.q_offset, ctx.scale = blocks, q_offset, scale
         return out
@@ -95,24 +172,33 @@ class _BlockwiseFlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, (kv_heads, head_dim) = ctx.scale, k.shape[1:]
-        # fp32 accumulators: a query row and an anchor key collect several parts
-        dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
-        for rows, keys, causal in _kernel_calls(ctx.blocks, ctx.q_offset):
+        blocks, q_offset, scale = ctx.blocks, ctx.q_offset, ctx.scale
+        # fp32 accumulators. The entries write every query row once, and every key row when the
+        # queries are all the keys; anchors and prefixes add to rows written before
+        dq = torch.empty(q.shape, dtype=torch.float32)
+        every_key = q_offset == 0 and q.shape[0] == k.shape[0]
+        dk, dv = ((torch.empty if every_key else torch.zeros)(k.shape, dtype=torch.float32) for _ in range(2))
+        anchored = []
+        for bucket in _buckets(blocks, q_offset):
+            dq_part, dk_part, dv_part = _flash_backward(
+                bucket.gather(grad_out, bucket.rows), bucket.gather(q, bucket.rows), bucket.gather(k, bucket.keys),
+                bucket.gather(v, bucket.keys), bucket.gather(out, bucket.rows), bucket.gather_lse(lse), 0.0, True,
+                scale=scale,
+            )
+            bucket.scatter(dq, dq_part)
+            bucket.scatter(dk, dk_part, q_offset)
+            bucket.scatter(dv, dv_part, q_offset)
+            if bucket.lead:
+                anchored.append((bucket, dk_part, dv_part))
+        for bucket, dk_part, dv_part in anchored:
+            bucket.add_anchor_grad(dk, dk_part)
+            bucket.add_anchor_grad(dv, dv_part)
+        for rows, keys in _prefix_calls(blocks, q_offset):
             dq_part, dk_part, dv_part = _flash_backward(
                 _bhsd(grad_out[rows]), _bhsd(q[rows]), _bhsd(k[keys]), _bhsd(v[keys]), _bhsd(out[rows]),
-                lse[rows].T.unsqueeze(0), 0.0, causal, scale=scale,
+                lse[rows].T.unsqueeze(0), 0.0, False, scale=scale,
             )
             dq[rows] += dq_part[0].transpose(0, 1)
             dk[keys] += dk_part[0].transpose(0, 1)
             dv[keys] += dv_part[0].transpose(0, 1)
-        for rows, anchor in _anchor_runs(ctx.blocks, ctx.q_offset):
-            key, value = (_per_query_head(x[anchor], q.shape[1]) for x in (k, v))
-            q_rows, g = q[rows].float(), grad_out[rows].float()
-            probs = (torch.einsum("rhd,hd->rh", q_rows, key) * scale - lse[rows]).exp()
-            # softmax backward: dS = P * (dP - rowsum(dO * O))
-            d_scores = probs * (torch.einsum("rhd,hd->rh", g, value) - (g * out[rows].float()).sum(-1))
-            dq[rows] += scale * d_scores.unsqueeze(-1) * key
-            dk[anchor] += scale * torch.einsum("rh,rhd->hd", d_scores, q_rows).view(kv_heads, -1, head_dim).sum(1)
-            dv[anchor] += torch.einsum("rh,rhd->hd", probs, g).view(kv_heads, -1, head_dim).sum(1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None

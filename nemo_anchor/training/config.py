@@ -37,6 +37,7 @@ class TrainerConfig:
     eval_batches: int = 8
     num_threads: int = 0  # torch intra-op threads on the CPU; 0 keeps torch's default
     progress_bar: bool = True
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; default: the GPU's published bf16 peak, else measured
 
 
 @dataclass
@@ -79,6 +80,8 @@ class RunConfig:
         for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
             if getattr(t, key) < 1:
                 bad(f"trainer.{key}", getattr(t, key), "must be >= 1")
+        if t.peak_tflops is not None and not t.peak_tflops > 0:
+            bad("trainer.peak_tflops", t.peak_tflops, "must be a positive number of TFLOP/s per device (or null)")
         if t.global_batch_size % t.micro_batch_size:
             bad("trainer.global_batch_size", t.global_batch_size,
                 f"must be a multiple of trainer.micro_batch_size={t.micro_batch_size}")

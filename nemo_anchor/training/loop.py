@@ -23,7 +23,7 @@ from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
-from nemo_anchor.training import memory
+from nemo_anchor.training import memory, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
 from nemo_anchor.training.engine import Engine, build_engine, run_microbatches, train_step
 from nemo_anchor.training.metrics import MetricsLogger
@@ -97,6 +97,8 @@ class Trainer:
         self._prepare_output_dir()
         if self.ctx.device.type == "cuda":
             self._warn_if_over_gpu_memory()
+        self.peak_tflops, peak_source = throughput.resolve_peak_tflops(t.peak_tflops, self.ctx.device, t.precision)
+        self._say(f"MFU against {self.peak_tflops:.4g} TFLOP/s per device ({peak_source})")
 
     # ----------------------------------------------------------------- setup
     def _say(self, message: str) -> None:
@@ -190,7 +192,8 @@ class Trainer:
                                      self.ctx.data_parallel_size)]
         record = train_step(self.engine, self.config, batches)
         self.step += 1
-        return {**record, "tokens": t.global_batch_size * self.config.model.seq_length}
+        flops = throughput.global_batch_flops(self.config.model, self.config.model.vocab_size, self.dataset, windows)
+        return {**record, "tokens": t.global_batch_size * self.config.model.seq_length, "flops": flops}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -228,11 +231,13 @@ class Trainer:
                 step_start = time.perf_counter()
                 last = self.train_step()
                 elapsed = time.perf_counter() - step_start
+                flops = last.pop("flops")
                 first_step = tokens_seen == 0
                 tokens_seen += last["tokens"]
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     logger.log_step({"step": self.step, **last, "tokens_per_s": last["tokens"] / elapsed,
-                                     "step_time_s": elapsed})
+                                     "step_time_s": elapsed,
+                                     **throughput.rates(flops, elapsed, self.ctx.world_size, self.peak_tflops)})
                 if first_step:  # Adam's state exists from the first step on
                     logger.log_memory(self.step, self._state_bytes_per_rank())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:

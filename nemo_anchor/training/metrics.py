@@ -52,7 +52,8 @@ class MetricsLogger:
             if key != "step" and isinstance(value, (int, float)):
                 self._tb.add_scalar(f"train/{key}", value, record["step"])
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                  tflops=f"{record['tflops_per_device']:.3g}", mfu=f"{record['mfu']:.1%}", refresh=False)
             self._bar.update(1)
 
     def log_eval(self, step: int, record: dict) -> None:

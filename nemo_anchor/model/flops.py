@@ -1,0 +1,66 @@
+"""FLOPs of one training step: Megatron's dense count plus attention on the pairs the mask keeps.
+
+A matmul of ``[m, n] @ [n, k]`` is ``2 m n k`` FLOPs; backward is twice forward (data and weight
+gradients), so a step is 3x forward. Per token and layer, forward (Llama shape, as Megatron's
+``num_floating_point_operations`` counts it):
+
+- QKV projection ``2 h (Hq + 2 Hkv) d`` (grouped-query attention), output projection ``2 Hq d h``;
+- SwiGLU MLP ``2 h f * 3`` (gate, up, down);
+- logits ``2 h V`` once per token (not per layer).
+
+Attention is counted on the (query, key) pairs the mask keeps rather than on ``T^2``: per kept
+pair ``4 Hq d`` forward (``q k^T`` and ``p v``). Norms, RoPE, softmax and embeddings are left out,
+as Megatron does. Activation recomputation runs forward again and is counted (this is the work
+the device does): ``model.recompute=full`` the recomputed layers' forward, ``selective`` the
+attention core's.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from nemo_anchor.attention.layout import boundaries, query_blocks
+from nemo_anchor.attention.paradigms import get_attention_type
+from nemo_anchor.model.config import ModelConfig
+
+
+def kept_pairs(cu_seqlens: torch.Tensor, mode: str) -> int:
+    """(query, key) pairs that ``anchor_attention(mode=mode)`` computes on one window with documents ``cu_seqlens``.
+
+    ``cu_seqlens``: int ``[num_docs + 1]``, ``[0, ..., T]``; the window is one window ``[0, T]``.
+    """
+    bounds = boundaries(cu_seqlens, int(cu_seqlens[-1]), "cu_seqlens")
+    pairs = 0
+    for block in query_blocks(bounds, (0, bounds[-1]), mode, 0, bounds[-1]):
+        n = block.end - block.start
+        # query p sees keys key_start..p: (start - key_start + 1) .. (end - key_start), plus its anchor
+        first, last = block.start - block.key_start + 1, block.end - block.key_start
+        pairs += (first + last) * n // 2 + (n if block.anchor is not None else 0)
+    return pairs
+
+
+def train_step_flops(model: ModelConfig, vocab_size: int, windows: Iterable[torch.Tensor]) -> float:
+    """FLOPs of one optimizer step over ``windows`` (the ``cu_seqlens`` of every window of the global batch).
+
+    The attention mask is ``model.attention_type``'s; recomputation follows ``model.recompute``.
+    """
+    h, d, f = model.hidden_size, model.kv_channels, model.ffn_hidden_size
+    hq, hkv, layers = model.num_attention_heads, model.num_query_groups, model.num_layers
+    mode = get_attention_type(model.attention_type).mask
+    tokens = pairs = 0
+    for cu_seqlens in windows:
+        tokens += int(cu_seqlens[-1])
+        pairs += kept_pairs(cu_seqlens, mode)
+    dense_per_layer = tokens * (2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h + 3 * 2 * h * f)
+    core_per_layer = pairs * 4 * hq * d
+    logits = tokens * 2 * h * vocab_size
+    forward = layers * (dense_per_layer + core_per_layer) + logits
+    if model.recompute == "full":
+        per_stage = model.recompute_num_layers or layers // model.pipeline_model_parallel_size
+        recomputed = per_stage * model.pipeline_model_parallel_size * (dense_per_layer + core_per_layer)
+    elif model.recompute == "selective":
+        recomputed = layers * core_per_layer
+    else:
+        recomputed = 0
+    return float(3 * forward + recomputed)

@@ -1,0 +1,73 @@
+"""Achieved TFLOP/s per device and MFU (model FLOPs utilisation), and the peak they are measured against.
+
+The peak is ``trainer.peak_tflops`` when set; otherwise the published dense bf16 peak of a known
+GPU (bf16 runs), else a short matmul measurement on the device in the training precision (the
+CPU, fp32 runs, unknown GPUs). The step's FLOPs come from :func:`nemo_anchor.model.flops.train_step_flops`.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from nemo_anchor.data import PackedDataset
+from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.model.flops import train_step_flops
+
+# dense (no sparsity) bf16 tensor-core peaks from the vendor's data sheets, in TFLOP/s; the first
+# name contained in torch.cuda.get_device_name() wins, so the more specific names come first
+PUBLISHED_BF16_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("B200", 2250.0),
+    ("A100", 312.0), ("A10", 125.0), ("L40S", 362.0), ("L4", 121.0),
+)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def published_peak_tflops(device_name: str) -> float | None:
+    return next((peak for name, peak in PUBLISHED_BF16_PEAK_TFLOPS if name in device_name), None)
+
+
+def measure_matmul_tflops(device: torch.device, precision: str, seconds: float = 0.2) -> float:
+    """TFLOP/s of square matmuls in ``precision`` (bf16 | fp32) on ``device``, repeated for about ``seconds``.
+
+    Sizes: 512 on the CPU (a bf16 matmul can be 50x slower than fp32 there), 8192 on a GPU.
+    """
+    n = 512 if device.type == "cpu" else 8192
+    a, b = (torch.randn(n, n, device=device).to(DTYPES[precision]) for _ in range(2))
+    torch.matmul(a, b)  # warm-up: kernel selection, packing buffers
+    calls, start = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - start < seconds:
+        torch.matmul(a, b)
+        calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return 2 * n ** 3 * calls / (time.perf_counter() - start) / 1e12
+
+
+def resolve_peak_tflops(configured: float | None, device: torch.device, precision: str) -> tuple[float, str]:
+    """(peak TFLOP/s per device, where it comes from) for a run in ``precision`` on ``device``."""
+    if configured is not None:
+        return float(configured), "trainer.peak_tflops"
+    if device.type == "cuda" and precision == "bf16":
+        name = torch.cuda.get_device_name(device)
+        published = published_peak_tflops(name)
+        if published is not None:
+            return published, f"published dense bf16 peak of {name}"
+    return measure_matmul_tflops(device, precision), f"{precision} matmul measured on {device.type} at start"
+
+
+def faster_cpu_precision(seconds: float = 0.2) -> tuple[str, dict[str, float]]:
+    """The precision (bf16 | fp32) whose matmuls run faster on this CPU, and the TFLOP/s measured for each."""
+    measured = {p: measure_matmul_tflops(torch.device("cpu"), p, seconds) for p in ("fp32", "bf16")}
+    return max(measured, key=measured.get), measured
+
+
+def global_batch_flops(model: ModelConfig, vocab_size: int, dataset: PackedDataset, windows: list[int]) -> float:
+    """FLOPs of one optimizer step over the windows ``windows`` of ``dataset`` (the whole global batch)."""
+    return train_step_flops(model, vocab_size, [dataset[i]["cu_seqlens"] for i in windows])
+
+
+def rates(flops: float, seconds: float, devices: int, peak_tflops: float) -> dict[str, float]:
+    """``tflops_per_device`` and ``mfu`` (a fraction of ``peak_tflops``) of ``flops`` done in ``seconds`` on ``devices``."""
+    achieved = flops / seconds / devices / 1e12
+    return {"tflops_per_device": achieved, "mfu": achieved / peak_tflops}
