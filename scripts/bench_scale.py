@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -71,7 +72,8 @@ def scale_table(args) -> None:
         out = subprocess.run([*launcher, __file__, "--worker", "--tensor", str(tensor), "--steps", str(args.steps),
                               "--seq-length", str(args.seq_length), "--precision", args.precision],
                              capture_output=True, text=True, env=env, check=True)
-        rows = sorted((json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")),
+        # ranks print concurrently, so a row may share a line with another rank's output
+        rows = sorted((json.loads(m.group(1)) for m in re.finditer(r"ROW (\{[^{}]*\})", out.stdout)),
                       key=lambda r: r["rank"])
         name = f"DP{processes // tensor} TP{tensor}"
         for row in rows:

@@ -24,7 +24,7 @@ from nemo_anchor.parallel.distributed import initialize_parallel
 from nemo_anchor.training.config import RunConfig, TrainerConfig
 from nemo_anchor.training.engine import build_engine, train_step
 from nemo_anchor.training.memory import state_bytes
-precision, tensor, model = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+precision, tensor, model, out = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 ctx = initialize_parallel(tensor_parallel_size=tensor)
 config = RunConfig(model=ModelConfig(**model, tensor_model_parallel_size=tensor),
                    trainer=TrainerConfig(precision=precision, global_batch_size=ctx.data_parallel_size))
@@ -35,7 +35,8 @@ batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T
              cu_seqlens=torch.tensor([0, T // 3, T], dtype=torch.int32), cu_windows=torch.tensor([0, T], dtype=torch.int32))
 train_step(engine, config, [batch])  # Adam's moments exist after the first step
 b = state_bytes(engine)
-print("STATE", json.dumps([dist.get_rank(), ctx.data_parallel_rank, b.weights, b.gradients, b.optimizer]), flush=True)
+with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:  # one file per rank: their stdout interleaves
+    json.dump([dist.get_rank(), ctx.data_parallel_rank, b.weights, b.gradients, b.optimizer], f)
 '''
 
 
@@ -45,10 +46,10 @@ def _measure(tmp_path, processes: int, precision: str, tensor: int = 1) -> list[
     launcher = [sys.executable] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*launcher, str(script), precision, str(tensor), json.dumps(MODEL)],
+    proc = subprocess.run([*launcher, str(script), precision, str(tensor), json.dumps(MODEL), str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line.split("STATE", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("STATE")]
+    return [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
 
 
 @pytest.mark.parametrize("processes,precision,tensor", [(1, "bf16", 1), (1, "fp32", 1), (2, "bf16", 1), (2, "fp32", 2)])
