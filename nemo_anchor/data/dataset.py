@@ -61,7 +61,7 @@ class PackedDataset(torch.utils.data.Dataset):
         T = self.seq_length
         first = index * T
         tokens = self._tokens[index].astype(np.int64)
-        cu_seqlens = np.append(self._segment_starts[self._segment_range(index)] - first, T).astype(np.int32)
+        cu_seqlens = self._cu_seqlens(index)
         labels = np.empty(T, dtype=np.int64)
         labels[:-1], labels[-1] = tokens[1:], self.pad_id
         loss_mask = np.ones(T, dtype=np.float32)
@@ -74,6 +74,14 @@ class PackedDataset(torch.utils.data.Dataset):
             "position_ids": torch.arange(T, dtype=torch.int64),
             "cu_seqlens": torch.from_numpy(cu_seqlens),
         }
+
+    def window_cu_seqlens(self, index: int) -> np.ndarray:
+        """int32 ``[S + 1]``: the ``cu_seqlens`` of window ``index`` alone, without reading its tokens."""
+        return self._cu_seqlens(self._window(index))
+
+    def _cu_seqlens(self, index: int) -> np.ndarray:
+        first = index * self.seq_length
+        return np.append(self._segment_starts[self._segment_range(index)] - first, self.seq_length).astype(np.int32)
 
     def window_documents(self, index: int) -> np.ndarray:
         """int64 ``[S]``: the packed document of each segment of window ``index`` (-1: padding)."""

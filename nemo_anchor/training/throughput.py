@@ -64,7 +64,7 @@ def faster_cpu_precision(seconds: float = 0.2) -> tuple[str, dict[str, float]]:
 
 def global_batch_flops(model: ModelConfig, vocab_size: int, dataset: PackedDataset, windows: list[int]) -> float:
     """FLOPs of one optimizer step over the windows ``windows`` of ``dataset`` (the whole global batch)."""
-    return train_step_flops(model, vocab_size, [dataset[i]["cu_seqlens"] for i in windows])
+    return train_step_flops(model, vocab_size, [torch.from_numpy(dataset.window_cu_seqlens(i)) for i in windows])
 
 
 def rates(flops: float, seconds: float, devices: int, peak_tflops: float) -> dict[str, float]:
