@@ -14,3 +14,20 @@ def smollm2_dir():
         return prepare_smollm2()
     except PretrainedUnavailable as err:
         pytest.skip(f"SmolLM2 is not available offline: {err}")
+
+
+@pytest.fixture(scope="session")
+def tiny_byte_llama():
+    """``save(path, max_positions)``: a 1-layer random Llama with the byte tokenizer, as an HF directory at ``path``."""
+    import transformers
+
+    from nemo_anchor.data import byte_tokenizer
+
+    def save(path, max_positions: int = 32):
+        config = transformers.LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1,
+                                          max_position_embeddings=max_positions)
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+        byte_tokenizer().save(path)
+        return path
+    return save

@@ -4,23 +4,19 @@ import os
 
 import numpy as np
 import pytest
-import transformers
 
 from nemo_anchor.cli import main
-from nemo_anchor.data import PackOptions, byte_tokenizer, pack
+from nemo_anchor.data import PackOptions, pack
 
 TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n" * 40
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
+def inputs(tmp_path_factory, tiny_byte_llama):
     """A tiny byte-tokenizer Llama, a text file, and packed datasets of the same and of another tokenizer."""
     root = tmp_path_factory.mktemp("robust_eval")
     hf = root / "hf"
-    config = transformers.LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(config).save_pretrained(hf)
-    byte_tokenizer().save(hf)
+    tiny_byte_llama(hf, max_positions=64)
     text = root / "text.txt"
     text.write_text(TEXT)
     corpus = root / "corpus.jsonl"

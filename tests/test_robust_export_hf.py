@@ -3,22 +3,18 @@ import json
 import os
 
 import pytest
-import transformers
 
 from nemo_anchor.cli import main
-from nemo_anchor.data import byte_tokenizer
+
 from nemo_anchor.export.hf import import_hf
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_byte_llama):
     """runs/A (an import-hf run directory with a metrics file, as after training) and its neighbour runs/B."""
     root = tmp_path_factory.mktemp("robust_export")
     hf = root / "hf"
-    config = transformers.LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-    transformers.LlamaForCausalLM(config).save_pretrained(hf)
-    byte_tokenizer().save(hf)
+    tiny_byte_llama(hf, max_positions=32)
     for name in ("A", "B"):
         import_hf(hf, root / "runs" / name)
         (root / "runs" / name / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')

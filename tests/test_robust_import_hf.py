@@ -3,19 +3,14 @@ import json
 import os
 
 import pytest
-import transformers
 
 from nemo_anchor.cli import main
-from nemo_anchor.data import byte_tokenizer
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory):
+def hf(tmp_path_factory, tiny_byte_llama):
     path = tmp_path_factory.mktemp("robust_import") / "hf"
-    config = transformers.LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    byte_tokenizer().save(path)
+    tiny_byte_llama(path, max_positions=32)
     return path
 
 

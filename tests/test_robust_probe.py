@@ -2,22 +2,18 @@
 import json
 
 import pytest
-import transformers
 
 from nemo_anchor.cli import main
-from nemo_anchor.data import PackOptions, byte_tokenizer, pack
+from nemo_anchor.data import PackOptions, pack
 
 TEXT = "How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow.\n" * 30
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
+def inputs(tmp_path_factory, tiny_byte_llama):
     root = tmp_path_factory.mktemp("robust_probe")
     hf = root / "hf"
-    config = transformers.LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(config).save_pretrained(hf)
-    byte_tokenizer().save(hf)
+    tiny_byte_llama(hf, max_positions=64)
     text = root / "text.txt"
     text.write_text(TEXT)
     corpus = root / "corpus.jsonl"
