@@ -5,7 +5,6 @@ import os
 import pytest
 
 from nemo_anchor.cli import main
-
 from nemo_anchor.export.hf import import_hf
 
 
