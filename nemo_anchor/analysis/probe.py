@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nemo_anchor.analysis.shift_metrics import shift_differences
+from nemo_anchor.cpu_bf16 import bf16_matmul_kind, bf16_matmuls_in_fp32
 from nemo_anchor.evaluation.corpus import check_token_ids, read_token_windows
 from nemo_anchor.evaluation.models import load_model
 
@@ -160,13 +161,15 @@ def run_probe(
                 model = same_weights_in(pretrained, torch.bfloat16)
             else:
                 model = random_init_copy(config, dtype=torch.bfloat16, seed=settings.seed).to(device)
-            results[variant] = probe_model(model, sequences, settings, logit_lengths, progress)
+            with bf16_matmuls_in_fp32(next(model.parameters()).dtype, device):
+                results[variant] = probe_model(model, sequences, settings, logit_lengths, progress)
     metadata = {
         "model": str(model_path),
         "inputs": [str(source) for source in sources],
         "settings": asdict(settings),
         "logit_lengths": logit_lengths,
         "device": str(device),
+        "bf16_matmuls": bf16_matmul_kind(device),
     }
     return results, metadata
 

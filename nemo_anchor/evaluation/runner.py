@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from nemo_anchor.cpu_bf16 import bf16_matmul_kind, bf16_matmuls_in_fp32
 from nemo_anchor.evaluation.corpus import check_token_ids, read_token_windows
 from nemo_anchor.evaluation.models import load_model
 from nemo_anchor.evaluation.perplexity import perplexity_by_position
@@ -150,11 +151,14 @@ def evaluate_paths(
     runs, predictions = [], []
     for path, iteration in models:
         model, tokenizer = load_model(path, dtype=dtype, device=device)
-        result, run_predictions = evaluate_model(model, tokenizer, settings, desc=Path(path).name)
+        with bf16_matmuls_in_fp32(dtype, device):
+            result, run_predictions = evaluate_model(model, tokenizer, settings, desc=Path(path).name)
         runs.append({"model": str(path), "iteration": iteration, **result})
         predictions += [{"model": str(path), "iteration": iteration, **record} for record in run_predictions]
         del model  # one set of weights in memory at a time
     settings_used = {**asdict(settings), "dtype": str(dtype), "device": device}
+    if dtype == torch.bfloat16:
+        settings_used["bf16_matmuls"] = bf16_matmul_kind(device)
     report = {"settings": settings_used, "runs": runs, "mean": average_runs(runs)}
     return report, predictions
 

@@ -28,6 +28,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 from nemo_anchor.model.gpt import build_gpt_model
 from nemo_anchor.model.packed_seq import make_packed_seq_params
 from nemo_anchor.parallel.distributed import ParallelContext
@@ -103,10 +104,11 @@ def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, 
     """
     cp_group = parallel_state.get_context_parallel_group() if config.model.context_parallel_size > 1 else None
     tokens_per_microbatch = batches[0]["tokens"].numel()
-    reported = get_forward_backward_func()(
-        forward_step_func=functools.partial(_forward_step, config.model.attention_type, cp_group),
-        data_iterator=iter(batches), model=[engine.model], num_microbatches=len(batches),
-        seq_length=tokens_per_microbatch, micro_batch_size=1, forward_only=forward_only)
+    with bf16_matmuls_in_fp32(config.trainer.precision, batches[0]["tokens"].device):
+        reported = get_forward_backward_func()(
+            forward_step_func=functools.partial(_forward_step, config.model.attention_type, cp_group),
+            data_iterator=iter(batches), model=[engine.model], num_microbatches=len(batches),
+            seq_length=tokens_per_microbatch, micro_batch_size=1, forward_only=forward_only)
     totals = torch.zeros(2, dtype=torch.float64, device=batches[0]["tokens"].device)
     # the last stage reports; tensor-parallel ranks hold the same loss, so only one of them counts
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
