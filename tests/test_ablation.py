@@ -230,6 +230,6 @@ def test_smollm2_config_loads(tmp_path, corpus):
 
     config = load_ablation_config(REPO / "configs" / "ablation" / "smollm2.yaml", [f"pack.inputs=[{corpus}]",
                                                                                       f"model.init_from_hf={tmp_path}"])
-    assert (config.model.num_layers, config.model.hidden_size, config.trainer.precision) == (30, 576, "fp32")
+    assert (config.model.num_layers, config.model.hidden_size, config.trainer.precision) == (30, 576, "bf16")
     assert config.checkpoint.keep_last >= config.eval.last_k
     assert yaml.safe_load((REPO / "configs" / "ablation" / "smollm2.yaml").read_text())["pack"]["tokenizer"]

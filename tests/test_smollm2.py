@@ -87,3 +87,19 @@ def test_continued_pretraining_export_and_generate(smollm2_dir, reference, impor
     generated = hf.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     text = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert generated.shape[1] > prompt["input_ids"].shape[1] and text.strip()
+
+
+@pytest.mark.parametrize("config", ["configs/demo.yaml", "configs/ablation/smollm2.yaml"])
+def test_shipped_smollm2_configs_match_the_model(smollm2_dir, config):
+    """The demo's and the ablation's model sections are SmolLM2's shape, as import reads it from config.json."""
+    from pathlib import Path
+
+    from nemo_anchor.export.hf_mapping import model_config_from_hf
+
+    shipped = yaml.safe_load((Path(__file__).parents[1] / config).read_text())["model"]
+    expected = vars(model_config_from_hf(transformers.AutoConfig.from_pretrained(smollm2_dir)))
+    for key in ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "tie_embeddings"):
+        assert shipped[key] == expected[key], key
+    assert shipped["norm_epsilon"] == pytest.approx(expected["norm_epsilon"], rel=1e-6)  # the GGUF stores fp32
+    assert float(shipped["rotary_base"]) == float(expected["rotary_base"])
