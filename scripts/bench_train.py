@@ -12,7 +12,8 @@ model; ``--model smollm2`` is SmolLM2-135M's shape (30 layers, hidden 576, vocab
 from the directory ``nemo_anchor.export.pretrained`` prepares), randomly initialised: the
 weights' values do not change the time. Prints tokens/s, the ratio against `full` at the same
 window, achieved TFLOP/s and MFU (the step's FLOPs from nemo_anchor.model.flops over the step
-time, against the matmul peak measured in the same process in the training precision), and peak RSS.
+time, against the trainer's peak: the fastest matmul in the training precision this CPU has shown, measured
+in the same process and remembered across runs), and peak RSS.
 
 ``--precision auto`` (the default) trains in the precision whose matmuls run faster on this
 machine (measured first and printed). ``--profile`` adds one step under torch.profiler per row and
@@ -49,7 +50,7 @@ def worker(args) -> dict:
     from nemo_anchor.training.config import RunConfig, TrainerConfig
     from nemo_anchor.model.flops import train_step_flops
     from nemo_anchor.training.engine import build_engine, train_step
-    from nemo_anchor.training.throughput import measure_matmul_tflops
+    from nemo_anchor.training.throughput import resolve_peak_tflops
 
     T = args.length
     if args.model == "smollm2":
@@ -79,7 +80,7 @@ def worker(args) -> dict:
     step = min(times[args.warmup:])
     profile = profile_step(lambda: train_step(engine, config, [batch])) if args.profile else None
     tflops = train_step_flops(config.model, vocab, [batch["cu_seqlens"]]) / step / 1e12
-    peak = measure_matmul_tflops(torch.device("cpu"), args.precision, seconds=0.5)
+    peak, _ = resolve_peak_tflops(None, torch.device("cpu"), args.precision)  # as the trainer's MFU
     return {"kind": args.kind, "length": T, "documents": len(batch["cu_seqlens"]) - 1, "step_s": step,
             "tokens_per_s": T / step, "tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "profile": profile}

