@@ -30,8 +30,11 @@ _aten = torch.ops.aten
 
 # Ops whose floating outputs all take the dtype of their bf16 inputs: matrix products and the CPU
 # flash-attention backward (its forward is as fast in bf16 as in fp32 and returns an fp32
-# log-sum-exp, so it stays native).
+# log-sum-exp, so it stays native). linear and matmul arrive whole under torch.inference_mode
+# (inference tensors skip the autograd key where they are otherwise decomposed into mm).
 _EMULATED_OPS = frozenset({
+    _aten.linear.default,
+    _aten.matmul.default,
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,

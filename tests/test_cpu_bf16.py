@@ -42,6 +42,20 @@ def test_products_round_once_like_the_native_kernel(name):
     assert (emulated != native).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("product", ["linear", "matmul"])
+def test_inference_mode_products_are_emulated_too(product):
+    """Under torch.inference_mode linear and matmul reach the mode whole, not as mm."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 96, 640, generator=g).bfloat16(), torch.randn(80, 640, generator=g).bfloat16()
+    run = (lambda: F.linear(x, w)) if product == "linear" else (lambda: torch.matmul(x, w.T))
+    with torch.no_grad(), Bf16MatmulsInFp32():
+        emulated = run()
+    with torch.inference_mode(), Bf16MatmulsInFp32():
+        inference = run()
+    assert not torch.equal(emulated, run())  # the native kernel rounds some elements differently here
+    assert torch.equal(inference, emulated)
+
+
 def test_linear_gradients_equal_the_native_kernels():
     g = torch.Generator().manual_seed(1)
     leaves = [torch.randn(shape, generator=g).bfloat16().requires_grad_() for shape in ((64, 96), (128, 96), (128,))]
