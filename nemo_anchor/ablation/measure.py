@@ -70,7 +70,7 @@ def measure_variant(output_dir: str | Path, steps: list[int], measurement: Measu
                                device=measurement.device)
     runs = report["runs"]
     rows = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
-    metrics = {"valid_loss": summary("held-out loss", "lower", _valid_losses(rows, steps, run))}
+    metrics = {"valid_loss": summary("held-out loss (own mask)", "lower", _valid_losses(rows, steps, run))}
     ppl = [run_["perplexity"] for run_ in runs]
     metrics["heldout_ppl"] = summary("held-out ppl", "lower", [_overall_perplexity(p) for p in ppl])
     for bucket, (start, end) in enumerate(zip(ppl[0]["starts"], ppl[0]["ends"])):

@@ -54,6 +54,11 @@ def markdown(report: dict) -> str:
     for name, measured in variants.items():
         cells = [_cell(measured["metrics"].get(key)) for key, _ in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any("valid_loss" in measured["metrics"] for measured in variants.values()):
+        lines += ["", "The held-out loss is the trainer's, under each variant's own attention mask: `full` also "
+                  "sees the earlier documents of a window, so it differs from the document-masked variants by "
+                  "construction. Held-out ppl and ppl by position evaluate every exported model the same way "
+                  "(a plain causal LM on the same held-out windows)."]
     lines += ["", f"## Differences from `{reference}`", "", f"Within the noise means {NOISE_RULE}: such a "
               "difference does not show that either variant is better.", ""]
     lines += noise_statements(report["comparisons"])
