@@ -10,7 +10,7 @@
 #   6 after training: the same probe and evaluation, and a before/after summary
 #
 #   bash scripts/demo.sh                  # everything under runs/demo (re-running resumes / reuses)
-#   DEMO_STEPS=8 bash scripts/demo.sh     # more training steps (about a minute each on 2 cores)
+#   DEMO_STEPS=8 bash scripts/demo.sh     # more training steps (about 75 s each on 2 cores)
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 
