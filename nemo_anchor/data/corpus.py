@@ -20,6 +20,7 @@ import argparse
 import ast
 import itertools
 import json
+import multiprocessing
 import sysconfig
 import tokenize
 import warnings
@@ -51,7 +52,8 @@ def stdlib_documents(root: str | Path | None = None) -> Iterator[dict]:
 def _module_records_in_order(root: str | Path | None) -> Iterator[list[dict]]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     paths = [path for path in sorted(root.rglob("*.py")) if not EXCLUDED_DIRS.intersection(path.relative_to(root).parts)]
-    with ProcessPoolExecutor() as pool:  # parsing dominates; map keeps the order
+    # forkserver: a fork of a process whose torch/OpenMP threads are running can crash in the child
+    with ProcessPoolExecutor(mp_context=multiprocessing.get_context("forkserver")) as pool:  # map keeps the order
         for first in range(0, len(paths), FILES_PER_ROUND):  # in rounds, so a size cap stops the work early
             chunk = paths[first:first + FILES_PER_ROUND]
             yield from pool.map(_module_records, chunk, [root] * len(chunk), chunksize=8)
