@@ -43,15 +43,24 @@ _EMULATED_OPS = frozenset({
 })
 
 
+def cpuinfo(field: str) -> str | None:
+    """The value of ``field`` (e.g. ``flags``, ``model name``) for the first CPU in /proc/cpuinfo, or None."""
+    try:
+        with open("/proc/cpuinfo") as lines:
+            return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field),
+                        None)
+    except OSError:
+        return None
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has BF16 matrix instructions (AVX512-BF16 or AMX), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    """Whether this CPU has BF16 matrix instructions (AVX512-BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & set((cpuinfo("flags") or "").split()))
+
+
+def _emulates_bf16(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cpu" and not cpu_has_native_bf16()
 
 
 def _is_cpu_bf16(value) -> bool:
@@ -80,14 +89,13 @@ class Bf16MatmulsInFp32(TorchDispatchMode):
 def bf16_matmuls_in_fp32(dtype: torch.dtype | str, device: torch.device | str = "cpu"):
     """The context for running a model in ``dtype`` (torch dtype or ``"bf16"``) on ``device``:
     :class:`Bf16MatmulsInFp32` for bf16 on a CPU without native BF16 matrix instructions, else nothing."""
-    bf16 = dtype in (torch.bfloat16, "bf16")
-    if bf16 and torch.device(device).type == "cpu" and not cpu_has_native_bf16():
+    if dtype in (torch.bfloat16, "bf16") and _emulates_bf16(device):
         return Bf16MatmulsInFp32()
     return contextlib.nullcontext()
 
 
 def bf16_matmul_kind(device: torch.device | str = "cpu") -> str:
     """How bf16 matrix products run on ``device``, for the records results are written with."""
-    if torch.device(device).type == "cpu" and not cpu_has_native_bf16():
+    if _emulates_bf16(device):
         return "fp32 kernels on bf16 values, rounded to bf16 (nemo_anchor.cpu_bf16)"
     return "native"

@@ -15,7 +15,7 @@ import torch
 
 from nemo_anchor.atomic import atomic_file
 from nemo_anchor.cache import cache_root
-from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
+from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32, cpuinfo
 from nemo_anchor.data import PackedDataset
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.flops import train_step_flops
@@ -80,26 +80,19 @@ def remembered_cpu_peak(precision: str, measured: float) -> tuple[float, str]:
     (above 100% when the load lifts); the machine's peak is the fastest it has shown.
     """
     path = cache_root() / "cpu_peak_tflops.json"
-    key = f"{_cpu_model()}, {torch.get_num_threads()} threads, {precision}"
+    key = f"{cpuinfo('model name') or platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, {precision}"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    remembered = float(known.get(key, 0.0)) if isinstance(known, dict) else 0.0
+    known = known if isinstance(known, dict) else {}  # a damaged cache is measured again
+    remembered = float(known.get(key, 0.0))
     if measured <= remembered:
         return remembered, f"fastest {precision} matmul measured on this CPU ({path})"
     with contextlib.suppress(OSError):  # a read-only cache only loses the memory
         with atomic_file(path) as staging:
-            staging.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: measured}, indent=1))
+            staging.write_text(json.dumps({**known, key: measured}, indent=1))
     return measured, f"{precision} matmul measured on cpu at start (remembered in {path})"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "cpu")
-    except OSError:
-        return platform.processor() or "cpu"
 
 
 def faster_cpu_precision(seconds: float = 0.2) -> tuple[str, dict[str, float]]:
