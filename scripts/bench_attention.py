@@ -18,6 +18,12 @@ SDPA's on contiguous ``[1, H, T, D]`` input in the same run (the CPU backend's t
 
     python scripts/bench_attention.py                        # T=8192, 8 heads, d=64, 16 docs, fp32
     python scripts/bench_attention.py --peak-rss --tokens 131072 --heads 4   # memory target only
+    python scripts/bench_attention.py --kernel-scaling --threads 1           # the kernel's own ceiling
+
+``--kernel-scaling`` times torch's CPU flash-attention kernel alone (causal, forward+backward)
+on batches of equal-length sequences that fill the window, from 64 tokens up to T. The CPU
+backend runs every document through that kernel, so the kernel's rate at a layout's document
+lengths bounds the backend's rate on that layout.
 """
 from __future__ import annotations
 
@@ -146,9 +152,7 @@ def time_round_robin(measurements, q, k, v, cu_seqlens, repeats: int) -> dict:
     times = {key: [] for key in runs}
     for _ in tqdm(range(repeats), desc="timing rounds", file=sys.stderr):
         for key, once in runs.items():
-            start = time.perf_counter()
-            once()
-            times[key].append(time.perf_counter() - start)
+            times[key].append(timed(once))
     return {**results, **{key: {"seconds": min(samples)} for key, samples in times.items()}}
 
 
@@ -197,20 +201,66 @@ def print_table(args, cu_seqlens, results) -> None:
               f"{rate / 1e9:8.1f} | {rate_ratio:>13s} | {peak:>8s} |")
 
 
+def kernel_scaling(args) -> None:
+    """Torch's CPU flash kernel alone, causal fwd+bwd, on ``T / L`` sequences of ``L`` tokens, against ``L = T``."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    dtype, scale = getattr(torch, args.dtype), args.head_dim ** -0.5
+    lengths = [2 ** i for i in range(6, args.tokens.bit_length()) if 2 ** i < args.tokens] + [args.tokens]
+    rates = {}
+    for length in tqdm(lengths, desc="kernel scaling", file=sys.stderr):
+        count = args.tokens // length
+        q, k, v, grad = (torch.randn(count, args.heads, length, args.head_dim, dtype=dtype) for _ in range(4))
+
+        def once() -> None:
+            out, lse = flash(q, k, v, 0.0, True, scale=scale)
+            flash_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
+
+        once()
+        seconds = min(timed(once) for _ in range(args.repeats))
+        pairs = count * length * (length + 1) // 2
+        rates[length] = (seconds, 4 * args.head_dim * args.heads * pairs * 3.5 / seconds)
+    print(f"\ntorch's CPU flash kernel alone, causal fwd+bwd, T={args.tokens} tokens as T/L sequences of L, "
+          f"heads={args.heads} d={args.head_dim} {args.dtype} threads={args.threads}")
+    print("| L | sequences | time ms | GFLOP/s | x rate at L=T |")
+    print("| --- | --- | --- | --- | --- |")
+    for length, (seconds, rate) in rates.items():
+        print(f"| {length} | {args.tokens // length} | {seconds * 1e3:.1f} | {rate / 1e9:.1f} | "
+              f"{rate / rates[args.tokens][1]:.2f} |")
+
+
+def kernel_share(q, k, v, cu_seqlens) -> float:
+    """The share of one ``anchor_attention`` cpu fwd+bwd spent inside torch's flash kernel (torch.profiler)."""
+    once = runner("anchor_attention cpu", "fwd+bwd", q, k, v, cu_seqlens)
+    once()
+    with torch.profiler.profile() as profiler:
+        once()
+    events = profiler.key_averages()
+    kernel = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::_scaled_dot_product_flash_attention"))
+    return kernel / sum(e.self_cpu_time_total for e in events)
+
+
+def timed(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
 def useful_flops(args, cu_seqlens, name: str, phase: str) -> float:
     """FLOPs on the pairs the method's mask keeps: 4 D per pair and head forward, 3.5x that forward+backward."""
     pairs = allowed_pairs(cu_seqlens, METHODS[name][0])
     return 4 * args.head_dim * args.heads * pairs * (3.5 if phase == "fwd+bwd" else 1)
 
 
-def check_targets(args, cu_seqlens, results) -> None:
+def check_targets(args, cu_seqlens, results, kernel_share: float | None) -> None:
     ours = results.get(("anchor_attention cpu", "fwd+bwd"), {}).get("seconds")
     full = results.get(("full causal SDPA", "fwd+bwd"), {}).get("seconds")
     per_doc = results.get(("per-doc masked SDPA", "fwd+bwd"), {}).get("seconds")
     if ours and full:
         rate = (useful_flops(args, cu_seqlens, "anchor_attention cpu", "fwd+bwd") / ours) / (
             useful_flops(args, cu_seqlens, "full causal SDPA", "fwd+bwd") / full)
-        print(f"\nanchor cpu fwd+bwd: {rate:.2f}x full causal SDPA's FLOP/s on the kept pairs (target >= 0.8)")
+        print(f"\nanchor cpu fwd+bwd: {rate:.2f}x full causal SDPA's FLOP/s on the kept pairs (target >= 0.8)"
+              + (f"; {kernel_share:.0%} of its time inside torch's flash kernel" if kernel_share is not None else ""))
     if ours and full and per_doc:
         print(f"\nanchor cpu fwd+bwd: {ours / full:.4f}x full causal SDPA (target <= 0.04), "
               f"{per_doc / ours:.2f}x faster than per-doc masked SDPA (target >= 1.5)")
@@ -232,6 +282,8 @@ def main(argv=None) -> int:
                         help="skip the O(T^2) methods when one fp32 [H, T, T] score tensor exceeds this")
     parser.add_argument("--peak-rss", action="store_true",
                         help="only anchor_attention cpu forward+backward; print the process's total peak RSS")
+    parser.add_argument("--kernel-scaling", action="store_true",
+                        help="only torch's CPU flash kernel, causal fwd+bwd, at sequence lengths 64..T")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -239,6 +291,9 @@ def main(argv=None) -> int:
         print(json.dumps(memory_worker(json.loads(args.worker))))
         return 0
     args.kv_heads = args.kv_heads or args.heads
+    if args.kernel_scaling:
+        kernel_scaling(args)
+        return 0
     config = {key: getattr(args, key) for key in ("tokens", "heads", "kv_heads", "head_dim", "docs", "dtype", "seed")}
 
     if args.peak_rss:  # one run in a fresh process: everything it ever held counts
@@ -262,6 +317,7 @@ def main(argv=None) -> int:
                 measurements.append((name, phase))
     q, k, v, cu_seqlens = make_inputs(config)
     results = {**skipped, **time_round_robin(measurements, q, k, v, cu_seqlens, args.repeats)}
+    share = kernel_share(q, k, v, cu_seqlens) if "seconds" in results.get(("anchor_attention cpu", "fwd+bwd"), {}) else None
     del q, k, v
     for key in tqdm(measurements, desc="peak memory", file=sys.stderr):
         if "seconds" in results[key]:
@@ -270,7 +326,7 @@ def main(argv=None) -> int:
     order = [(name, phase) for name in METHODS for phase in ("forward", "fwd+bwd")]
     results = {key: results[key] for key in sorted(results, key=order.index)}
     print_table(args, cu_seqlens, results)
-    check_targets(args, cu_seqlens, results)
+    check_targets(args, cu_seqlens, results, share)
     return 0
 
 

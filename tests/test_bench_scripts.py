@@ -1,0 +1,85 @@
+"""The benchmark scripts run end to end at toy sizes and print the tables the README quotes.
+
+Timings are not asserted (they belong to the printed tables); what is checked is that every
+row is there, the FLOP/s columns follow from the printed times and the pair counts of the mask,
+and the derived ratios are consistent with the rows they are computed from.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+from nemo_anchor.attention.layout import layout_blocks
+from nemo_anchor.attention.reference import dense_mask
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from bench_attention import allowed_pairs, document_bounds  # noqa: E402
+
+
+def _run(script: str, *args: str) -> str:
+    result = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and not set(line) <= set("|- ")]
+
+
+def test_allowed_pairs_match_the_dense_mask():
+    cu_seqlens = document_bounds(300, 7, seed=3)
+    for mode in ("full", "intra_doc", "anchor"):
+        blocks = layout_blocks(cu_seqlens, None, mode, 300, 0, 300)
+        expected = int(dense_mask(blocks, 0, 300, torch.device("cpu")).sum())
+        assert allowed_pairs(cu_seqlens, mode) == expected, mode
+
+
+def test_bench_attention_prints_rates_from_its_times():
+    tokens, heads, head_dim = 512, 2, 16
+    out = _run("bench_attention.py", "--tokens", str(tokens), "--heads", str(heads), "--head-dim", str(head_dim),
+               "--docs", "8", "--repeats", "1", "--threads", "1",
+               "--methods", "full causal SDPA", "anchor_attention cpu")
+    rows = {(r[0], r[1]): r for r in _table_rows(out)[1:]}
+    assert set(rows) == {(m, p) for m in ("full causal SDPA", "anchor_attention cpu") for p in ("forward", "fwd+bwd")}
+    cu_seqlens = document_bounds(tokens, 8, seed=0)
+    for (method, phase), (_, _, ms, _, gflops, _, _) in rows.items():
+        pairs = allowed_pairs(cu_seqlens, "full" if method.startswith("full") else "anchor")
+        flops = 4 * head_dim * heads * pairs * (3.5 if phase == "fwd+bwd" else 1)
+        rate = flops / (float(ms) / 1e3) / 1e9
+        assert abs(rate - float(gflops)) <= 0.05 + rate * 0.05 / float(ms)  # both printed rounded to 0.1
+    line = re.search(r"anchor cpu fwd\+bwd: ([\d.]+)x .*; (\d+)% of its time inside", out)
+    assert line, out
+    ours, full = rows[("anchor_attention cpu", "fwd+bwd")], rows[("full causal SDPA", "fwd+bwd")]
+    assert abs(float(line.group(1)) - float(ours[4]) / float(full[4])) <= 0.02 + 0.02 * float(line.group(1))
+    assert 0 < int(line.group(2)) <= 100
+
+
+def test_bench_attention_kernel_scaling_covers_64_to_the_window():
+    out = _run("bench_attention.py", "--kernel-scaling", "--tokens", "256", "--heads", "2", "--head-dim", "16",
+               "--repeats", "1", "--threads", "1")
+    rows = _table_rows(out)[1:]
+    assert [int(r[0]) for r in rows] == [64, 128, 256]
+    assert [int(r[1]) for r in rows] == [4, 2, 1]
+    assert float(rows[-1][4]) == 1.0
+    window_rate = float(rows[-1][3])
+    for row in rows:
+        assert abs(float(row[4]) - float(row[3]) / window_rate) <= 0.011 + 0.02 * float(row[4])
+
+
+def test_bench_train_prints_a_row_per_attention_type():
+    out = _run("bench_train.py", "--lengths", "256", "--kinds", "full", "anchor", "--steps", "1", "--warmup", "0",
+               "--precision", "fp32")
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("256 ")]
+    assert [r[1] for r in rows] == ["full", "anchor"]
+    full_tokens_per_s = float(rows[0][4])
+    for _, _, _, step_s, tokens_per_s, ratio, tflops, mfu, peak_mb in rows:
+        assert abs(float(tokens_per_s) - 256 / float(step_s)) <= 1 + 0.01 * float(tokens_per_s)
+        assert abs(float(ratio) - float(tokens_per_s) / full_tokens_per_s) <= 0.01 + 0.01 * float(ratio)
+        assert float(tflops) > 0 and 0 < float(mfu.rstrip("%")) and float(peak_mb) > 0
