@@ -1,4 +1,5 @@
-"""`nemo-anchor train` meeting data it cannot use: refused before anything is written, naming what is wrong."""
+"""`nemo-anchor train` meeting data it cannot use: refused naming what is wrong, before anything is written
+(a corrupt token file: when its window is read, before any checkpoint)."""
 import json
 import shutil
 
@@ -7,7 +8,8 @@ import pytest
 import yaml
 
 from nemo_anchor.cli import main
-from nemo_anchor.data import PackOptions, pack
+from nemo_anchor.data import PackedDataset, PackOptions, pack
+from nemo_anchor.run_dir import RunDir
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4] * 8
 
@@ -52,15 +54,25 @@ def test_token_ids_beyond_model_vocab_size_are_named(data, tmp_path):
     assert "vocabulary of 100" in str(error.value) and not (tmp_path / "run").exists()
 
 
-def test_corrupt_token_file_is_named_before_training(data, tmp_path):
+def test_corrupt_token_file_is_named_when_read(data, tmp_path):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(data / "byte", corrupt)
-    tokens = np.memmap(corrupt / "tokens.bin", dtype=np.uint16, mode="r+")
-    tokens[-3] = 60000
+    seq_length = json.loads((corrupt / "metadata.json").read_text())["seq_length"]
+    tokens = np.memmap(corrupt / "tokens.bin", dtype=np.uint16, mode="r+").reshape(-1, seq_length)
+    tokens[:, 5] = 60000  # every window: whichever the first step reads
     tokens.flush()
-    with pytest.raises(ValueError, match=r"largest token id 60000 is outside the model's vocabulary of 259"):
+    with pytest.raises(ValueError, match=r"corrupt/tokens.bin: window \d+ holds token id 60000, outside the "
+                                         r"packing tokenizer's vocabulary of 259"):
         train(tmp_path, corrupt)
-    assert not (tmp_path / "run").exists()
+    assert RunDir(tmp_path / "run").list_checkpoints() == []  # the failed step saved nothing
+
+
+def test_token_ids_are_not_scanned_when_the_model_vocabulary_covers_the_tokenizer(data):
+    dataset = PackedDataset(data / "byte")
+    dataset._tokens = None  # reading the tokens now fails: the check must not need them
+    dataset.check_token_ids(259)
+    with pytest.raises(TypeError):
+        dataset.check_token_ids(258)
 
 
 def test_run_directory_of_another_tokenizer_is_refused(data, tmp_path):

@@ -45,6 +45,8 @@ class PackedDataset(torch.utils.data.Dataset):
         self.pad_id = int(self.metadata["pad_id"])
         self.tokenizer_path = self.path / TOKENIZER_SUBDIR
         self._tokens = self._map_tokens(np.dtype(self.metadata["token_dtype"]))
+        # every id pack wrote is below its tokenizer's size; the token dtype bounds the rest
+        self._id_bound = int(self.metadata.get("vocab_size") or np.iinfo(self._tokens.dtype).max + 1)
         self.document_sources = self._load(DOCUMENT_SOURCES_FILE, 1)
         self.document_domains = self._load(DOCUMENT_DOMAINS_FILE, 1)
         self._segment_starts = self._load(SEGMENT_STARTS_FILE, 1)
@@ -61,6 +63,10 @@ class PackedDataset(torch.utils.data.Dataset):
         T = self.seq_length
         first = index * T
         tokens = self._tokens[index].astype(np.int64)
+        if tokens.max() >= self._id_bound:
+            raise ValueError(f"{self.path / TOKENS_FILE}: window {index} holds token id {int(tokens.max())}, outside "
+                             f"the packing tokenizer's vocabulary of {self._id_bound} (metadata.json): the file is "
+                             f"corrupt; repack the data")
         cu_seqlens = self._cu_seqlens(index)
         labels = np.empty(T, dtype=np.int64)
         labels[:-1], labels[-1] = tokens[1:], self.pad_id
@@ -90,11 +96,14 @@ class PackedDataset(torch.utils.data.Dataset):
     def check_token_ids(self, vocab_size: int, chunk_windows: int = 4096) -> None:
         """ValueError naming this dataset, its largest token id and ``vocab_size`` when an id is ``>= vocab_size``.
 
-        Scans ``tokens.bin`` (memory-mapped, ``chunk_windows`` windows at a time): a corrupt file or
-        a model vocabulary smaller than the tokenizer's would otherwise fail deep inside the embedding.
+        ``pack`` bounds every id by its tokenizer's ``metadata["vocab_size"]``, and ``ds[i]`` checks
+        that bound on every window it reads (a corrupt ``tokens.bin`` is named when read). So when
+        the model's vocabulary is at least the tokenizer's, nothing is read here: a corpus of
+        100B tokens starts at once on every rank. Only a smaller model vocabulary makes this scan
+        ``tokens.bin`` (memory-mapped, ``chunk_windows`` windows at a time) for its largest id.
         """
-        if np.iinfo(self._tokens.dtype).max < vocab_size:
-            return  # the token dtype cannot hold an id that large
+        if self._id_bound <= vocab_size:
+            return
         largest = max((int(self._tokens[start:start + chunk_windows].max())
                        for start in range(0, self.num_windows, chunk_windows)), default=-1)
         if largest >= vocab_size:
