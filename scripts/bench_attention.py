@@ -41,6 +41,7 @@ from tqdm import tqdm
 from nemo_anchor.attention import anchor_attention
 from nemo_anchor.attention.layout import layout_blocks
 from nemo_anchor.attention.reference import dense_mask
+from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 
 # name -> (mask whose allowed pairs count as useful work, supports backward on the CPU)
 METHODS = {
@@ -123,16 +124,21 @@ def make_inputs(config: dict):
 
 
 def runner(name: str, phase: str, q, k, v, cu_seqlens):
-    """One forward (no autograd graph) or forward+backward of method ``name``."""
+    """One forward (no autograd graph) or forward+backward of method ``name``.
+
+    bf16 runs on a CPU without BF16 units compute their products as training does there
+    (``nemo_anchor.cpu_bf16``), for every method alike.
+    """
     run = method_function(name, q, k, v, cu_seqlens)
 
     def once() -> None:
-        if phase == "forward":
-            with torch.no_grad():
-                run()
-            return
-        out = run()
-        out.backward(torch.ones_like(out))
+        with bf16_matmuls_in_fp32(q.dtype, q.device):
+            if phase == "forward":
+                with torch.no_grad():
+                    run()
+                return
+            out = run()
+            out.backward(torch.ones_like(out))
         q.grad = k.grad = v.grad = None
 
     return once
@@ -213,8 +219,9 @@ def kernel_scaling(args) -> None:
         q, k, v, grad = (torch.randn(count, args.heads, length, args.head_dim, dtype=dtype) for _ in range(4))
 
         def once() -> None:
-            out, lse = flash(q, k, v, 0.0, True, scale=scale)
-            flash_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
+            with bf16_matmuls_in_fp32(dtype, q.device):
+                out, lse = flash(q, k, v, 0.0, True, scale=scale)
+                flash_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
 
         once()
         seconds = min(timed(once) for _ in range(args.repeats))
