@@ -171,9 +171,7 @@ def memory_worker(config: dict) -> dict:
         once()
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # restart the peak-RSS counter (VmHWM): the warm-up's compilation is not counted
-    start = time.perf_counter()
-    once()
-    return {"seconds": time.perf_counter() - start, "peak_bytes": memory_status("VmHWM") - rss_with_inputs,
+    return {"seconds": timed(once), "peak_bytes": memory_status("VmHWM") - rss_with_inputs,
             "process_peak_bytes": memory_status("VmHWM")}
 
 
@@ -259,7 +257,7 @@ def useful_flops(args, cu_seqlens, name: str, phase: str) -> float:
     return 4 * args.head_dim * args.heads * pairs * (3.5 if phase == "fwd+bwd" else 1)
 
 
-def check_targets(args, cu_seqlens, results, kernel_share: float | None) -> None:
+def check_targets(args, cu_seqlens, results, in_kernel: float | None) -> None:
     ours = results.get(("anchor_attention cpu", "fwd+bwd"), {}).get("seconds")
     full = results.get(("full causal SDPA", "fwd+bwd"), {}).get("seconds")
     per_doc = results.get(("per-doc masked SDPA", "fwd+bwd"), {}).get("seconds")
@@ -267,7 +265,7 @@ def check_targets(args, cu_seqlens, results, kernel_share: float | None) -> None
         rate = (useful_flops(args, cu_seqlens, "anchor_attention cpu", "fwd+bwd") / ours) / (
             useful_flops(args, cu_seqlens, "full causal SDPA", "fwd+bwd") / full)
         print(f"\nanchor cpu fwd+bwd: {rate:.2f}x full causal SDPA's FLOP/s on the kept pairs (target >= 0.8)"
-              + (f"; {kernel_share:.0%} of its time inside torch's flash kernel" if kernel_share is not None else ""))
+              + (f"; {in_kernel:.0%} of its time inside torch's flash kernel" if in_kernel is not None else ""))
     if ours and full and per_doc:
         print(f"\nanchor cpu fwd+bwd: {ours / full:.4f}x full causal SDPA (target <= 0.04), "
               f"{per_doc / ours:.2f}x faster than per-doc masked SDPA (target >= 1.5)")
