@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -148,13 +148,6 @@ def attention_tflops(pairs: int, heads: int, head_dim: int, seconds: float, back
     """Achieved TFLOP/s counting only the kept pairs."""
     flops = FLOPS_PER_PAIR_FORWARD * head_dim * heads * pairs * (1 + BACKWARD_FACTOR * backward)
     return flops / seconds / 1e12
-
-
-def case_record(case: Case) -> dict:
-    record = asdict(case)
-    record["doc_bounds"] = f"{len(case.doc_bounds) - 1} docs"
-    record["window_bounds"] = list(case.window_bounds)
-    return record
 
 
 def _table(header: list[str], rows: list[list]) -> str:

@@ -10,8 +10,7 @@ import yaml
 
 from nemo_anchor.cli import main as cli
 from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.training.memory import (Layout, plan_memory, planned_state_bytes, saved_activation_bytes,
-                                         state_bytes)
+from nemo_anchor.training.memory import Layout, plan_memory, planned_state_bytes, saved_activation_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 384

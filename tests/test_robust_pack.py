@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from nemo_anchor.atomic import MARKER
 from nemo_anchor.cli import main

@@ -21,13 +21,6 @@ def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[s
     return 100.0 * sum(per_sample) / len(per_sample)
 
 
-def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Mean over samples of 1 if any of a sample's references is in its prediction, in [0, 100]."""
-    _check_pairs(predictions, references)
-    per_sample = [any(ref.lower() in pred.lower() for ref in refs) for pred, refs in zip(predictions, references)]
-    return 100.0 * sum(per_sample) / len(per_sample)
-
-
 def _check_pairs(predictions, references) -> None:
     if len(predictions) != len(references) or not predictions:
         raise ValueError(f"need as many predictions as references (> 0), got {len(predictions)} and {len(references)}")
