@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
+from nemo_anchor.atomic import atomic_file, write_faults_named
 from nemo_anchor.run_dir import RunDir
 
 MODEL_PREFIX = "model."
@@ -152,17 +153,17 @@ def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_confi
         "rng": _rng_object(_rng_state()),
     }
     state["model"] = _with_weights(engine.gpt.sharded_state_dict(prefix=MODEL_PREFIX), masters)
-    dist_checkpointing.save(state, str(tmp))
-    _barrier()
-    if _rank() == 0:
-        (tmp / "config.yaml").write_text(run_config_yaml)
-    record_checksums(tmp)
+    with write_faults_named(final, tmp):  # a full disk is named, and the partial checkpoint removed
+        dist_checkpointing.save(state, str(tmp))
+        _barrier()
+        if _rank() == 0:
+            (tmp / "config.yaml").write_text(run_config_yaml)
+        record_checksums(tmp)
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        latest_tmp = run.checkpoints / f".{run.latest_file.name}.tmp"
-        latest_tmp.write_text(str(step))
-        os.replace(latest_tmp, run.latest_file)
+        with atomic_file(run.latest_file) as latest:
+            latest.write_text(str(step))
         for old in run.list_checkpoints()[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
