@@ -32,7 +32,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from nemo_anchor.atomic import atomic_file, write_faults_named
-from nemo_anchor.run_dir import RunDir
+from nemo_anchor.run_dir import RunDir, checkpoint_step
 
 MODEL_PREFIX = "model."
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -135,8 +135,10 @@ def _with_weights(sharded: dict, weights: dict[int, torch.Tensor]) -> dict:
 
 
 def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_config_yaml: str,
-                    keep_last: int) -> Path:
-    """Save this rank's shards of the model (fp32), optimizer, ``train_state`` and RNG; returns the directory."""
+                    keep_last: int, save_every: int = 0) -> Path:
+    """Save this rank's shards of the model (fp32), optimizer, ``train_state`` and RNG; returns the directory.
+
+    Older checkpoints beyond ``keep_last`` are then removed (:func:`evict_old_checkpoints`)."""
     final = run.checkpoint(step)
     tmp = run.checkpoints / f".tmp.{final.name}"
     if _rank() == 0:
@@ -164,10 +166,25 @@ def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_confi
         os.replace(tmp, final)
         with atomic_file(run.latest_file) as latest:
             latest.write_text(str(step))
-        for old in run.list_checkpoints()[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        evict_old_checkpoints(run, keep_last, save_every)
     _barrier()
     return final
+
+
+def evict_old_checkpoints(run: RunDir, keep_last: int, save_every: int = 0) -> list[Path]:
+    """Remove all but the newest checkpoint and the newest ``keep_last`` scheduled ones (every
+    ``save_every`` steps; all of them when 0); returns the removed.
+
+    An off-schedule checkpoint (a signal's, the last step's) is kept only while it is the newest: it
+    exists to resume from, and must never push out a scheduled checkpoint that checkpoint averaging
+    over the last ``keep_last`` saves needs."""
+    saved = run.list_checkpoints()
+    scheduled = [path for path in saved if not save_every or checkpoint_step(path) % save_every == 0]
+    kept = set(scheduled[-keep_last:] + saved[-1:])
+    removed = [path for path in saved if path not in kept]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _crc32(path: Path) -> int:

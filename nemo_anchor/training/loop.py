@@ -213,7 +213,7 @@ class Trainer:
     def save(self) -> Path:
         state = {"step": self.step, "sampler": self.sampler.state_dict()}
         return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
-                                    self.config.checkpoint.keep_last)
+                                    self.config.checkpoint.keep_last, self.config.checkpoint.save_every)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:
