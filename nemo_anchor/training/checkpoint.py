@@ -13,9 +13,11 @@ One checkpoint directory (layout: :mod:`nemo_anchor.run_dir`) holds
 - ``train``: step, scheduler and sampler state (small, replicated); ``rng``: each rank's RNG state.
 
 A checkpoint is written into ``checkpoints/.tmp.iter_*`` and renamed when every rank has finished,
-so a ``kill -9`` at any moment leaves the previous complete checkpoint. Before loading, the
-files a checkpoint's metadata refers to are checked, so a truncated or missing file is named
-and the trainer can fall back to an older checkpoint (:func:`pick_resumable`).
+so a ``kill -9`` at any moment leaves the previous complete checkpoint; a full disk is named and
+the partial checkpoint removed (:func:`nemo_anchor.atomic.write_faults_named`). Its ``CHECKSUMS``
+manifest records every file's size and CRC-32; before loading they are checked, so a missing,
+truncated or corrupt file is named and the trainer falls back to an older checkpoint
+(:func:`pick_resumable`).
 """
 from __future__ import annotations
 

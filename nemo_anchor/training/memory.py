@@ -275,15 +275,22 @@ def suggest(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_bytes: i
             return f"model.recompute=full model.recompute_num_layers={layers}"
     for factor in _GPU_FACTORS:
         for candidate, bigger in _layouts(model, layout, layout.gpus * factor):
-            change = [f"model.tensor_model_parallel_size={bigger.tensor}"] * (bigger.tensor != layout.tensor)
-            change += [f"model.context_parallel_size={bigger.context}"] * (bigger.context != layout.context)
-            change = ([f"{bigger.gpus} GPUs with"] if factor > 1 else []) + change
             if plan_memory(candidate, vocab_size, bigger, **options).fits:
-                return " ".join(change)
+                return _describe(layout, bigger)
             layers = fewest_recomputed_layers(candidate, vocab_size, bigger, **options)
             if layers is not None:
-                return " ".join(change + [f"model.recompute=full model.recompute_num_layers={layers}"])
+                return _describe(layout, bigger, f"model.recompute=full model.recompute_num_layers={layers}")
     return None
+
+
+def _describe(layout: Layout, bigger: Layout, *more: str) -> str:
+    """The overrides that turn ``layout`` into ``bigger``, after the GPU count when it grows."""
+    change = [f"model.tensor_model_parallel_size={bigger.tensor}"] * (bigger.tensor != layout.tensor)
+    change += [f"model.context_parallel_size={bigger.context}"] * (bigger.context != layout.context)
+    change += more
+    if bigger.gpus == layout.gpus:
+        return " ".join(change)
+    return f"{bigger.gpus} GPUs" + (f" with {' '.join(change)}" if change else f" (data parallel {bigger.data})")
 
 
 def _layouts(model: ModelConfig, layout: Layout, gpus: int):
