@@ -21,7 +21,7 @@ def register(subparsers) -> None:
         "plan", help="per-GPU memory of a training config before launch; exit 1 when it does not fit",
         description="Weights, gradients, optimizer state, activations, logits and communication buffers per GPU "
                     "for the config's parallel layout, against the GPU's memory. Exit 0 when it fits, 1 (naming "
-                    "the smallest change that fits) when it does not.")
+                    "the smallest change that fits) when it does not, 2 for a config or option it cannot plan.")
     add_arguments(plan)
     plan.add_argument("--gpus", type=_positive_int, required=True, help="processes (GPUs) the run is launched on")
     plan.add_argument("--gpu-memory", type=_positive_gib, required=True, metavar="GIB",
@@ -104,7 +104,8 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _plan(args: argparse.Namespace):
+def _plan(args: argparse.Namespace) -> tuple:
+    """(the plan, the smallest change that fits or None)."""
     from nemo_anchor.training.config import load_config
     from nemo_anchor.training.memory import GIB, Layout, plan_memory, suggest
 
