@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nemo_anchor.atomic import atomic_file
 from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
@@ -159,9 +160,8 @@ class Trainer:
     def _prepare_output_dir(self) -> None:
         if self.ctx.is_main:
             self.run.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.run.root / ".config.yaml.tmp"
-            tmp.write_text(self.config_yaml)
-            tmp.replace(self.run.config)
+            with atomic_file(self.run.config) as staging:  # a read-only run folder is named, not a temp file
+                staging.write_text(self.config_yaml)
             if not self.run.tokenizer.exists():
                 staging = self.run.root / ".tokenizer.tmp"
                 shutil.rmtree(staging, ignore_errors=True)
@@ -213,7 +213,7 @@ class Trainer:
     def save(self) -> Path:
         state = {"step": self.step, "sampler": self.sampler.state_dict()}
         return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
-                                    self.config.checkpoint.keep_last)
+                                    self.config.checkpoint.keep_last, self.config.checkpoint.save_every)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:
