@@ -14,11 +14,15 @@ query of the block. This happens when the queries are only the positions
 ``[q_offset, q_offset + Tq)`` of the keys' sequence (context parallelism: each block keeps its
 rows inside that range), and when a window's first document is the anchor alone (the anchor
 and the next document's keys are then one interval).
+
+A :class:`PackLayout` holds the boundaries of one pack, read from their tensors once (on a GPU a
+host sync) and validated; the model builds it once per micro-batch and every layer reuses it and
+the query blocks it derives, so no layer reads the boundaries again.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,12 +41,15 @@ class QueryBlock:
     anchor: int | None
 
 
-def boundaries(cu: torch.Tensor, total: int, name: str) -> tuple[int, ...]:
-    """The values of a ``cu_seqlens``-style tensor, checked to run strictly upwards from 0 to ``total``."""
+def boundaries(cu: torch.Tensor, total: int | None, name: str) -> tuple[int, ...]:
+    """The values of a ``cu_seqlens``-style tensor, checked to run strictly upwards from 0 to ``total``
+    (to its own last value when ``total`` is None)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in _INTEGER_DTYPES:
         described = f"shape {tuple(cu.shape)} dtype {cu.dtype}" if isinstance(cu, torch.Tensor) else type(cu).__name__
         raise ValueError(f"{name} must be a 1-D integer tensor (int32), got {described}")
     values = tuple(cu.tolist())
+    if total is None and values:
+        total = values[-1]
     if len(values) < 2 or values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name} must run from 0 to T={total}, got {list(values[:3])}...{list(values[-2:])}")
     for i in range(len(values) - 1):
@@ -53,16 +60,66 @@ def boundaries(cu: torch.Tensor, total: int, name: str) -> tuple[int, ...]:
     return values
 
 
+@dataclass(frozen=True, eq=False)
+class PackLayout:
+    """The document and window boundaries of a pack of ``total`` tokens, validated, as host integers.
+
+    Build it with :func:`pack_layout` (from tensors) or :meth:`of` (from integers), once per
+    micro-batch, and pass it to ``anchor_attention(layout=...)`` in every layer: the query blocks
+    of each (mode, query range) are derived on first use and kept here.
+    """
+
+    doc_bounds: tuple[int, ...]
+    window_bounds: tuple[int, ...]
+    _blocks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, doc_bounds: tuple[int, ...], window_bounds: tuple[int, ...] | None = None) -> "PackLayout":
+        """A layout from increasing integer boundaries (``window_bounds`` None: one window)."""
+        window_bounds = (0, doc_bounds[-1]) if window_bounds is None else tuple(window_bounds)
+        stray = sorted(set(window_bounds) - set(doc_bounds))
+        if stray:
+            raise ValueError(f"cu_windows must be a subset of cu_seqlens; window boundaries {stray[:5]} are not "
+                             f"document boundaries")
+        return cls(tuple(doc_bounds), window_bounds)
+
+    @property
+    def total(self) -> int:
+        return self.doc_bounds[-1]
+
+    def blocks(self, mode: str, q_offset: int = 0, q_len: int | None = None) -> tuple[QueryBlock, ...]:
+        """The query blocks of queries ``[q_offset, q_offset + q_len)`` (default: to the end) under ``mode``."""
+        key = (mode, q_offset, self.total - q_offset if q_len is None else q_len)
+        if key not in self._blocks:
+            self._blocks[key] = query_blocks(self.doc_bounds, self.window_bounds, *key)
+        return self._blocks[key]
+
+
+def pack_layout(cu_seqlens: torch.Tensor, cu_windows: torch.Tensor | None = None, total: int | None = None) -> PackLayout:
+    """Read and validate the boundaries of a pack of ``total`` tokens (default: where ``cu_seqlens`` ends).
+
+    The one place the boundaries go to the host: call it once per micro-batch, not per layer.
+    """
+    doc_bounds = boundaries(cu_seqlens, total, "cu_seqlens")
+    window_bounds = None if cu_windows is None else boundaries(cu_windows, doc_bounds[-1], "cu_windows")
+    return PackLayout.of(doc_bounds, window_bounds)
+
+
 def layout_blocks(
     cu_seqlens: torch.Tensor, cu_windows: torch.Tensor | None, mode: str, total: int, q_offset: int, q_len: int
 ) -> tuple[QueryBlock, ...]:
     """Validate the boundaries of a packed sequence of ``total`` tokens and return its query blocks."""
-    doc_bounds = boundaries(cu_seqlens, total, "cu_seqlens")
-    window_bounds = (0, total) if cu_windows is None else boundaries(cu_windows, total, "cu_windows")
-    stray = sorted(set(window_bounds) - set(doc_bounds))
-    if stray:
-        raise ValueError(f"cu_windows must be a subset of cu_seqlens; window boundaries {stray[:5]} are not document boundaries")
-    return query_blocks(doc_bounds, window_bounds, mode, q_offset, q_len)
+    return pack_layout(cu_seqlens, cu_windows, total).blocks(mode, q_offset, q_len)
+
+
+def kept_pairs(blocks: tuple[QueryBlock, ...]) -> int:
+    """The (query, key) pairs the blocks' mask keeps: each query sees the keys from its block's
+    ``key_start`` up to itself, plus the block's anchor (counted once per query)."""
+    pairs = 0
+    for block in blocks:
+        n, before = block.end - block.start, block.start - block.key_start
+        pairs += n * (n + 1) // 2 + n * before + n * (block.anchor is not None)
+    return pairs
 
 
 @functools.lru_cache(maxsize=64)
