@@ -25,7 +25,7 @@ from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training import memory, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
-from nemo_anchor.training.engine import Engine, build_engine, run_microbatches, train_step
+from nemo_anchor.training.engine import Engine, build_engine, parameters_gathered, run_microbatches, train_step
 from nemo_anchor.training.metrics import MetricsLogger
 
 # exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint (EX_TEMPFAIL: run it again to resume)
@@ -206,14 +206,16 @@ class Trainer:
         slots = [rank + i * dp for i in range(per_rank)]  # equal work on every rank: extra slots weigh 0
         batches = [self._load(self.valid, [min(s, count - 1)], [1.0 if s < count else 0.0]) for s in slots]
         self.engine.model.eval()
-        totals = run_microbatches(self.engine, self.config, batches, forward_only=True)
+        with parameters_gathered(self.engine):
+            totals = run_microbatches(self.engine, self.config, batches, forward_only=True)
         self.engine.model.train()
         return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
     def save(self) -> Path:
         state = {"step": self.step, "sampler": self.sampler.state_dict()}
-        return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
-                                    self.config.checkpoint.keep_last)
+        with parameters_gathered(self.engine):
+            return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
+                                        self.config.checkpoint.keep_last)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:
