@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from nemo_anchor import gpu_check as check
+from nemo_anchor.attention.layout import PackLayout, lognormal_documents
 from nemo_anchor.atomic import atomic_file
 
 BACKENDS = ("torch_varlen", "flex", "flash", "te", "reference")
@@ -165,7 +166,7 @@ def speed(quick: bool, device, mean_doc: int) -> list[dict]:
     warmup, repeats = (2, 3) if quick else (3, 10)
     rows = []
     for tokens in ((8192, 32768) if quick else (8192, 32768, 131072)):
-        docs = check.lognormal_documents(tokens, seed=tokens, mean_tokens=mean_doc)
+        docs = lognormal_documents(tokens, seed=tokens, mean_tokens=mean_doc)
         g = torch.Generator(device="cpu").manual_seed(0)
         q = torch.randn(tokens, heads, head_dim, generator=g).to(device, dtype).requires_grad_()
         k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
@@ -190,8 +191,7 @@ def speed(quick: bool, device, mean_doc: int) -> list[dict]:
             if isinstance(fn, str):
                 rows.append({**row, "status": f"skipped: {fn}"})
                 continue
-            pairs = check.kept_pairs((0, tokens), (0, tokens), "full") if mode == "full" else \
-                check.kept_pairs(docs, (0, tokens), mode)
+            pairs = PackLayout.of(docs).kept_pairs(mode)
             try:
                 torch._dynamo.reset()  # a fresh compile budget for flex at this shape
                 with torch.no_grad():
@@ -223,7 +223,7 @@ def _training_batch(tokens: int, vocab: int, mean_doc: int, seed: int) -> dict:
     """One packed window of learnable documents: BOS, then a walk along a fixed random permutation
     of the vocabulary (90% of steps) with random jumps, so the loss can fall within a few steps."""
     g = torch.Generator().manual_seed(seed)
-    docs = check.lognormal_documents(tokens, seed, mean_tokens=mean_doc)
+    docs = lognormal_documents(tokens, seed, mean_tokens=mean_doc)
     successor = torch.randperm(vocab - 1, generator=g) + 1
     ids = torch.empty(tokens, dtype=torch.long)
     for start, end in zip(docs, docs[1:]):

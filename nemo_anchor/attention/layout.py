@@ -22,8 +22,10 @@ the query blocks it derives, so no layer reads the boundaries again.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 MODES = ("full", "intra_doc", "anchor")
@@ -94,6 +96,16 @@ class PackLayout:
             self._blocks[key] = query_blocks(self.doc_bounds, self.window_bounds, *key)
         return self._blocks[key]
 
+    def kept_pairs(self, mode: str) -> int:
+        """The (query, key) pairs the mask of ``mode`` keeps over the whole pack: the useful work of
+        attention. Each query sees the keys from its block's ``key_start`` up to itself and the
+        block's anchor."""
+        pairs = 0
+        for block in self.blocks(mode):
+            n, before = block.end - block.start, block.start - block.key_start
+            pairs += n * (n + 1) // 2 + n * before + n * (block.anchor is not None)
+        return pairs
+
 
 def pack_layout(cu_seqlens: torch.Tensor, cu_windows: torch.Tensor | None = None, total: int | None = None) -> PackLayout:
     """Read and validate the boundaries of a pack of ``total`` tokens (default: where ``cu_seqlens`` ends).
@@ -105,21 +117,25 @@ def pack_layout(cu_seqlens: torch.Tensor, cu_windows: torch.Tensor | None = None
     return PackLayout.of(doc_bounds, window_bounds)
 
 
+def lognormal_documents(total: int, seed: int, mean_tokens: float, sigma: float = 1.0,
+                        window: int | None = None) -> tuple[int, ...]:
+    """Document boundaries ``(0, ..., total)`` of a synthetic pack, for checks and benchmarks: seeded
+    log-normal lengths of mean ``mean_tokens`` (as real corpora have), every ``window`` tokens a new
+    window whose first document starts there (default: one window); a window's last document is cut to fit."""
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean_tokens) - sigma**2 / 2
+    bounds = [0]
+    for window_end in range(window or total, total + 1, window or total):
+        while bounds[-1] < window_end:
+            bounds.append(min(window_end, bounds[-1] + max(1, int(rng.lognormal(mu, sigma)))))
+    return tuple(bounds)
+
+
 def layout_blocks(
     cu_seqlens: torch.Tensor, cu_windows: torch.Tensor | None, mode: str, total: int, q_offset: int, q_len: int
 ) -> tuple[QueryBlock, ...]:
     """Validate the boundaries of a packed sequence of ``total`` tokens and return its query blocks."""
     return pack_layout(cu_seqlens, cu_windows, total).blocks(mode, q_offset, q_len)
-
-
-def kept_pairs(blocks: tuple[QueryBlock, ...]) -> int:
-    """The (query, key) pairs the blocks' mask keeps: each query sees the keys from its block's
-    ``key_start`` up to itself, plus the block's anchor (counted once per query)."""
-    pairs = 0
-    for block in blocks:
-        n, before = block.end - block.start, block.start - block.key_start
-        pairs += n * (n + 1) // 2 + n * before + n * (block.anchor is not None)
-    return pairs
 
 
 @functools.lru_cache(maxsize=64)
