@@ -240,11 +240,9 @@ def _training_batch(tokens: int, vocab: int, mean_doc: int, seed: int) -> dict:
 
 def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, mean_doc: int) -> dict:
     """``steps`` optimizer steps on one window through build_engine/train_step; this rank's numbers."""
-    from megatron.core import parallel_state
-
     from nemo_anchor.attention.functional import _select_backend
     from nemo_anchor.model.config import ModelConfig
-    from nemo_anchor.parallel.context_parallel import shard_batch
+    from nemo_anchor.parallel.context_parallel import batch_for_this_rank
     from nemo_anchor.parallel.distributed import initialize_parallel
     from nemo_anchor.training.config import OptimConfig, RunConfig, TrainerConfig
     from nemo_anchor.training.engine import build_engine, train_step
@@ -259,10 +257,7 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
         optim=OptimConfig(lr=1e-3, warmup_steps=0)).validate()
     ctx = initialize_parallel(context_parallel_size=context_parallel)
     engine = build_engine(config, ctx, vocab)
-    batch = _training_batch(tokens, vocab, mean_doc, seed=0)
-    if context_parallel > 1:
-        batch = shard_batch(batch, parallel_state.get_context_parallel_group(), attention_type)
-    batch = {key: value.to(ctx.device) for key, value in batch.items()}
+    batch = batch_for_this_rank(_training_batch(tokens, vocab, mean_doc, seed=0), attention_type, ctx.device)
     probe = torch.zeros(1, 8, 64, dtype=torch.bfloat16, device=ctx.device)
     backend = _select_backend(config.model.attention_backend, probe, True).__name__.rsplit(".", 1)[-1]
     torch.cuda.reset_peak_memory_stats()

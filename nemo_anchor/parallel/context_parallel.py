@@ -1,7 +1,8 @@
 """Context parallelism over packed windows, for every attention type, exact against one process.
 
 ``context_parallel_attention`` is what ``AnchorCoreAttention`` runs when Megatron's context-parallel
-group has more than one rank; ``shard_batch`` hands each rank its tokens of a collated batch. The
+group has more than one rank; ``shard_batch`` hands each rank its tokens of a collated batch
+(``batch_for_this_rank``: with Megatron's group, on the device, for our trainer and NeMo's data step). The
 layout is Megatron's load-balanced one (:mod:`nemo_anchor.parallel.load_balance`): rank r holds
 chunks r and 2cp-1-r of every window, so documents, anchors and RoPE positions travel with the
 split and only the attention needs to communicate.
@@ -255,3 +256,14 @@ def shard_batch(batch: dict, cp_group, attention_type: str) -> dict:
             value = local.view(*plan.shape, *value.shape[2:])
         sharded[key] = value
     return sharded
+
+
+def batch_for_this_rank(batch: dict, attention_type: str, device: torch.device) -> dict:
+    """A collated batch as this rank's model takes it: its context-parallel share (:func:`shard_batch`
+    over Megatron's context-parallel group) with every tensor on ``device``."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = shard_batch(batch, parallel_state.get_context_parallel_group(), attention_type)
+    return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+            for key, value in batch.items()}

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
+from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
@@ -175,14 +176,7 @@ class Trainer:
         batch = collate_windows([dataset[i] for i in indices])
         if weights is not None:  # padding windows of an uneven evaluation split count for nothing
             batch["loss_mask"] = batch["loss_mask"] * torch.tensor(weights, dtype=batch["loss_mask"].dtype)[:, None]
-        if self.config.model.context_parallel_size > 1:
-            from megatron.core import parallel_state
-
-            from nemo_anchor.parallel.context_parallel import shard_batch
-
-            batch = shard_batch(batch, parallel_state.get_context_parallel_group(),
-                                attention_type=self.config.model.attention_type)
-        return {k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return batch_for_this_rank(batch, self.config.model.attention_type, self.ctx.device)
 
     def train_step(self) -> dict:
         t = self.config.trainer
