@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from nemo_anchor import gpu_check as check
 from nemo_anchor.attention import MODES, anchor_attention
 from nemo_anchor.attention.layout import PackLayout, layout_blocks, lognormal_documents
 from nemo_anchor.attention.reference import dense_mask
+
+from layout_strategies import packed_layouts  # tests/layout_strategies.py
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -43,20 +44,10 @@ def test_conformance_cases_cover_what_the_issue_lists():
         layout_blocks(torch.tensor(c.doc_bounds), torch.tensor(c.window_bounds), c.mode, c.total, c.q_offset, c.q_len)
 
 
-@st.composite
-def layouts(draw):
-    lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=8))
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    windows = [0] + [b for b in bounds[1:-1] if draw(st.booleans())] + [bounds[-1]]
-    return tuple(bounds), tuple(windows), draw(st.sampled_from(MODES))
-
-
 @settings(max_examples=50, deadline=None)
-@given(layouts())
+@given(packed_layouts(max_docs=8, max_doc_len=40, query_range=False))
 def test_kept_pairs_count_the_reference_mask(layout):
-    bounds, windows, mode = layout
+    bounds, windows, mode, _, _ = layout
     blocks = layout_blocks(torch.tensor(bounds), torch.tensor(windows), mode, bounds[-1], 0, bounds[-1])
     assert PackLayout.of(bounds, windows).kept_pairs(mode) == int(dense_mask(blocks, 0, bounds[-1], CPU).sum())
 
