@@ -253,3 +253,18 @@ def test_layout_is_read_once_per_micro_batch_and_shared_by_every_layer(monkeypat
         assert cpu._buckets.cache_info().misses == misses + 1
         assert len(seen_layouts) == 6 * number  # 3 layers, run again by the recompute in backward
         assert all(layout is params.layout for layout in seen_layouts[-6:])
+
+
+def test_plain_packed_seq_params_make_every_segment_its_own_window():
+    """NeMo's own packed path passes Megatron's PackedSeqParams: each cu_seqlens segment is a sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = _model(_cfg())
+    batch = _batch([0, 12, 32])
+    segments = batch["cu_seqlens"]
+    plain = PackedSeqParams(qkv_format="thd", cu_seqlens_q=segments, cu_seqlens_kv=segments, max_seqlen_q=20,
+                            max_seqlen_kv=20)
+    inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                  labels=batch["labels"])
+    torch.testing.assert_close(model(**inputs, packed_seq_params=plain),
+                               model(**inputs, packed_seq_params=make_packed_seq_params(segments, segments, "anchor")))

@@ -73,7 +73,7 @@ class PackLayout:
 
     doc_bounds: tuple[int, ...]
     window_bounds: tuple[int, ...]
-    _blocks: dict = field(default_factory=dict, repr=False)
+    _blocks: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def of(cls, doc_bounds: tuple[int, ...], window_bounds: tuple[int, ...] | None = None) -> "PackLayout":

@@ -33,9 +33,10 @@ def packed_layout(params: PackedSeqParams) -> PackLayout:
     if layout is not None:
         return layout
     docs = getattr(params, "cu_seqlens_doc", None)
+    windows = getattr(params, "cu_seqlens_window", None)
     if docs is None:
         docs = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    return pack_layout(docs, getattr(params, "cu_seqlens_window", None))
+    return pack_layout(docs, docs if windows is None else windows)
 
 
 def make_packed_seq_params(
