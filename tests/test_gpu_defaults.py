@@ -76,3 +76,67 @@ def test_this_machine_builds_the_cpu_configs():
     model, ddp = megatron_configs(_run_config(), torch.device("cpu"))
     assert not (model.gradient_accumulation_fusion or model.apply_rope_fusion)
     assert not (ddp.overlap_grad_reduce or ddp.overlap_param_gather)
+
+
+_OVERLAPPED_PRETRAIN = '''
+import sys
+
+import torch
+
+from nemo_anchor.training import engine
+from nemo_anchor.training.cli import main
+
+if __name__ == "__main__":  # the GPU's DDP config (overlapped grad reduce and param gather) on gloo
+    gpu_configs = engine.megatron_configs
+    engine.megatron_configs = lambda config, device: gpu_configs(config, torch.device("cuda"))
+    sys.exit(main())
+'''
+
+
+def test_overlapped_param_gather_trains_and_saves_what_the_straight_run_does(tmp_path):
+    """Megatron's DDP with overlap_grad_reduce and overlap_param_gather, on 2 gloo processes: the
+    losses are those of one process, and the checkpoint holds the updated weights (the optimizer
+    step leaves each rank only its own shard updated until the next forward gathers the rest)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from nemo_anchor.cli import main as cli
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor " * (i % 5 + 1)}) + "\n"
+                              for i in range(24)))
+    assert cli(["pack", "--input", str(corpus), "--tokenizer", "byte", "--seq-length", "64",
+                "--output", str(tmp_path / "packed")]) == 0
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+                  "num_query_groups": 2, "seq_length": 64, "attention_backend": "cpu"},
+        "data": {"path": str(tmp_path / "packed")},
+        "trainer": {"max_steps": 2, "global_batch_size": 4, "precision": "fp32", "progress_bar": False},
+        "optim": {"lr": 3e-3}}))
+    script = tmp_path / "overlapped_pretrain.py"
+    script.write_text(_OVERLAPPED_PRETRAIN)
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {**{k: v for k, v in os.environ.items() if k not in launch}, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, launcher in (("one process", [sys.executable, "-m", "nemo_anchor.cli", "train"]),
+                           ("overlapped", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                           "--nproc_per_node=2", str(script)])):
+        out = tmp_path / name.replace(" ", "_")
+        proc = subprocess.run([*launcher, "--config", str(config), f"output_dir={out}"], capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses = [json.loads(line).get("loss") for line in (out / "metrics.jsonl").read_text().splitlines()]
+        dcp_to_torch_save(out / "checkpoints" / "iter_0000002", tmp_path / f"{out.name}.pt")
+        state = torch.load(tmp_path / f"{out.name}.pt", weights_only=False)
+        runs[name] = [loss for loss in losses if loss is not None], {k: v for k, v in state.items() if k.startswith("model.")}
+    (single_losses, single_model), (losses, model) = runs["one process"], runs["overlapped"]
+    assert losses == pytest.approx(single_losses, abs=1e-6)
+    assert len(losses) == 2 and model.keys() == single_model.keys() and model
+    for name, weight in model.items():
+        torch.testing.assert_close(weight, single_model[name], atol=1e-6, rtol=1e-5, msg=name)
