@@ -17,7 +17,9 @@ and the next document's keys are then one interval).
 
 A :class:`PackLayout` holds the boundaries of one pack, read from their tensors once (on a GPU a
 host sync) and validated; the model builds it once per micro-batch and every layer reuses it and
-the query blocks it derives, so no layer reads the boundaries again.
+the query blocks it derives, so no layer reads the boundaries again. What the backends derive
+from the blocks goes to the device with ``non_blocking=True`` (CUDA stages pageable memory at once,
+where a blocking copy would wait for the stream), so deriving it does not sync either.
 """
 from __future__ import annotations
 
@@ -169,7 +171,7 @@ def per_query(blocks: tuple[QueryBlock, ...], device: torch.device) -> tuple[tor
     lengths = torch.tensor([b.end - b.start for b in blocks])
     key_start = torch.tensor([b.key_start for b in blocks]).repeat_interleave(lengths)
     anchor = torch.tensor([-1 if b.anchor is None else b.anchor for b in blocks]).repeat_interleave(lengths)
-    return key_start.to(device), anchor.to(device)
+    return key_start.to(device, non_blocking=True), anchor.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -203,9 +205,9 @@ def varlen_plan(blocks: tuple[QueryBlock, ...], device: torch.device) -> VarlenP
             if b.anchor is not None:
                 pieces.append(torch.tensor([b.anchor]))
             pieces.append(torch.arange(b.key_start, b.end))
-        kv_rows = torch.cat(pieces).to(device)
+        kv_rows = torch.cat(pieces).to(device, non_blocking=True)
 
     def cumulative(lengths: list[int]) -> torch.Tensor:
-        return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device, non_blocking=True)
 
     return VarlenPlan(cumulative(q_lengths), cumulative(k_lengths), max(q_lengths), max(k_lengths), kv_rows)
