@@ -23,9 +23,10 @@ Running (:func:`install_runtime_shims`, once ``megatron.bridge`` imports):
 - ``initialize.py:886`` warms up CUDA JIT kernels: skipped.
 - ``initialize.py:869`` seeds Megatron's model-parallel RNG tracker only when a GPU is counted;
   here it is seeded with the CPU tracker of ``cpu_shims``.
-- ``setup.py:276``, ``data/loaders.py:406``, ``checkpointing.py:491`` (CUDA RNG state) and
-  megatron-core's ``training/models/dist_utils.py:303`` allocate on, stream on or read the RNG
-  of CUDA: they see the CPU as their CUDA device (``cpu_shims``).
+- ``setup.py:276``, ``train.py``, ``eval.py``, ``utils/train_utils.py:551`` (and the other
+  flag and norm tensors there), ``data/loaders.py:406``, ``checkpointing.py:491`` (CUDA RNG
+  state) and megatron-core's ``training/models/dist_utils.py:303`` allocate on, stream on or read
+  the RNG of CUDA: they see the CPU as their CUDA device (``cpu_shims``).
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ _STAND_INS = {
     "megatron.bridge.peft.lora_layers": ("transformer_engine", "transformer_engine.pytorch"),
     "megatron.bridge.training.pretrain": ("nvidia_resiliency_ext", "nvidia_resiliency_ext.inprocess"),
 }
-_CUDA_ASSUMING_MODULES = ("megatron.bridge.training.setup", "megatron.bridge.data.loaders",
-                          "megatron.bridge.training.checkpointing", "megatron.training.models.dist_utils")
+_CUDA_ASSUMING_MODULES = ("megatron.bridge.training.setup", "megatron.bridge.training.train",
+                          "megatron.bridge.training.eval", "megatron.bridge.training.utils.train_utils",
+                          "megatron.bridge.data.loaders", "megatron.bridge.training.checkpointing",
+                          "megatron.training.models.dist_utils")
 _import_shims = False
 _runtime_shims = False
 
