@@ -16,6 +16,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from nemo_anchor.bridge.convert import HF_REFERENCE
@@ -39,7 +40,7 @@ def apply_overrides(config, overrides: list[str]) -> None:
             owner = getattr(owner, part)
         if not hasattr(owner, name):
             raise ValueError(f"unknown config key {key} (in {override!r})")
-        setattr(owner, name, OmegaConf.create({"value": text})["value"] if text else None)
+        setattr(owner, name, OmegaConf.from_dotlist([f"value={text}"])["value"])
 
 
 def prepare(config) -> None:
@@ -74,6 +75,14 @@ def main(argv: list[str] | None = None) -> None:
     config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
     apply_overrides(config, args.overrides)
     prepare(config)
+    if not torch.cuda.is_available():
+        # The writer's result queue is a multiprocessing Manager, started with "spawn" on a synchronous
+        # save (filesystem_async.py:200): a fresh interpreter that imports this whole stack again, 20-40 s
+        # per run here. Bridge creates it with checkpoint.async_write_results_mp_mode ("fork") for async
+        # saves (training/state.py:432); do the same first.
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
+
+        get_write_results_queue(config.checkpoint.async_write_results_mp_mode)
     pretrain(config, anchor_forward_step, callbacks=[MetricsCallback(args.peak_tflops)])
 
 

@@ -21,6 +21,7 @@ from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, 
                                              OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,
                                              TrainingConfig, ValidationConfig)
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import distrib_optimizer
 
 from nemo_anchor.bridge.data import AnchorPackedDatasetProvider
 from nemo_anchor.bridge.provider import AnchorGPTModelProvider
@@ -36,6 +37,9 @@ def from_run_config(run: RunConfig, vocab_size: int | None = None) -> ConfigCont
     """Bridge's configuration of the run ``nemo-anchor train`` would make of ``run``."""
     m, t, o = run.model, run.trainer, run.optim
     bf16 = t.precision == "bf16"
+    # megatron-core 0.19 cannot load a distributed-optimizer checkpoint into torch's Adam (no Apex or TE
+    # Adam, as on the CPU): it reads a common Adam step before the state exists (distrib_optimizer.py:839)
+    distributed_optimizer = t.distributed_optimizer and distrib_optimizer.HAVE_APEX_OR_TE
     vocab_size = vocab_size or m.vocab_size
     return ConfigContainer(
         model=AnchorGPTModelProvider.from_model_config(m, vocab_size, bf16=bf16),
@@ -46,14 +50,17 @@ def from_run_config(run: RunConfig, vocab_size: int | None = None) -> ConfigCont
         optimizer=OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                                   adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
                                   bf16=bf16, params_dtype=torch.float32,
-                                  use_distributed_optimizer=t.distributed_optimizer),
+                                  use_distributed_optimizer=distributed_optimizer),
         scheduler=SchedulerConfig(lr_decay_style=o.schedule, lr_warmup_iters=o.warmup_steps,
                                   lr_decay_iters=max(t.max_steps, o.warmup_steps + 1),
                                   start_weight_decay=o.weight_decay, end_weight_decay=o.weight_decay,
-                                  weight_decay_incr_style="constant"),
-        ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=t.distributed_optimizer,
+                                  weight_decay_incr_style="constant",
+                                  # the config decides the schedule on resume, as in nemo-anchor train, so a run
+                                  # may be extended (train.train_iters=3, then 6)
+                                  override_opt_param_scheduler=True),
+        ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
                                           overlap_grad_reduce=torch.cuda.is_available(),
-                                          overlap_param_gather=torch.cuda.is_available() and t.distributed_optimizer),
+                                          overlap_param_gather=torch.cuda.is_available() and distributed_optimizer),
         dataset=AnchorPackedDatasetProvider(path=None if run.data.path == "???" else run.data.path,
                                             valid_path=run.data.valid_path, seed=t.seed, shuffle=run.data.shuffle),
         logger=LoggerConfig(log_interval=t.log_every),
