@@ -3,7 +3,7 @@
 Every recipe is one of our run configs (``nemo-anchor train`` YAML: the same model, data, optimizer
 and schedule) turned into Bridge's configuration by :func:`from_run_config`:
 
-- ``anchor_smollm2_135m``: SmolLM2-135M (``configs/ablation/smollm2.yaml``), on a CPU or one GPU.
+- ``anchor_smollm2_135m``: SmolLM2-135M as in ``configs/ablation/smollm2.yaml``, on a CPU or one GPU.
 - the paper's presets, one per ``configs/paper/*.yaml`` (``llama3_8b_128k``, ``llama2_7b_64k``, ...).
 - ``llama3_context_extension_64k`` / ``_128k``: an HF Llama 3.x extended to 64K / 128K windows.
 
@@ -27,7 +27,7 @@ from nemo_anchor.bridge.data import AnchorPackedDatasetProvider
 from nemo_anchor.bridge.provider import AnchorGPTModelProvider
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.training import memory
-from nemo_anchor.training.config import RunConfig, load_config
+from nemo_anchor.training.config import OptimConfig, RunConfig, TrainerConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LLAMA3_ORIGINAL_WINDOW = 8192
@@ -82,11 +82,17 @@ def _from_yaml(path: Path, overrides: tuple[str, ...] = ()) -> Callable[[], Conf
 
 
 def anchor_smollm2_135m() -> ConfigContainer:
-    """SmolLM2-135M (30 layers, hidden 576, tied embeddings, vocabulary 49152) at 4096 tokens, bf16 on a GPU,
-    fp32 on a CPU (its bf16 matrix products have no CPU kernels to gain from)."""
+    """SmolLM2-135M (Llama-shaped: 30 layers, hidden 576, 9 query / 3 KV heads, tied embeddings, vocabulary
+    49152, RoPE base 1e5) continued at 4096 tokens, as ``configs/ablation/smollm2.yaml``: bf16 on a GPU, fp32
+    on a CPU. Start from ``checkpoint.pretrained_checkpoint=<import_hf of prepare_smollm2()>``."""
+    model = ModelConfig(architecture="llama", num_layers=30, hidden_size=576, ffn_hidden_size=1536,
+                        num_attention_heads=9, num_query_groups=3, tie_embeddings=True, vocab_size=49152,
+                        seq_length=4096, rotary_base="100000")
     precision = "bf16" if torch.cuda.is_available() else "fp32"
-    run = load_config(CONFIGS / "ablation" / "smollm2.yaml", (f"trainer.precision={precision}",))
-    return from_run_config(run, vocab_size=49152)
+    run = RunConfig(model=model, trainer=TrainerConfig(max_steps=8, global_batch_size=1, micro_batch_size=1,
+                                                       precision=precision),
+                    optim=OptimConfig(lr=1e-4, min_lr=1e-4))
+    return from_run_config(run)
 
 
 def fit_layout(model: ModelConfig, vocab_size: int, gpus: int, gpu_gib: float, *,
