@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--config", help="a `nemo-anchor train` YAML file: its run, configured for Bridge")
     parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: measured)")
     parser.add_argument("overrides", nargs="*", help="ConfigContainer overrides, key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     from megatron.bridge.training.pretrain import pretrain
 
     config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
