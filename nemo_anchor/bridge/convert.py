@@ -91,3 +91,27 @@ def export_hf(megatron_dir, hf_dir) -> Path:
     staging = _staging(hf_dir)
     bridge.save_hf_pretrained(model, str(staging), show_progress=False, source_path=str(reference))
     return _publish(staging, hf_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m nemo_anchor.bridge.convert",
+                                     description="Hugging Face <-> Megatron-Bridge checkpoints with AnchorAttention")
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_megatron = commands.add_parser("import-hf", help="HF directory -> Megatron-Bridge checkpoint")
+    to_megatron.add_argument("hf_dir")
+    to_megatron.add_argument("out_dir")
+    to_megatron.add_argument("--attention-type", default="anchor")
+    to_hf = commands.add_parser("export-hf", help="Megatron-Bridge checkpoint (import-hf or pretrain output) -> HF")
+    to_hf.add_argument("megatron_dir")
+    to_hf.add_argument("hf_dir")
+    args = parser.parse_args(argv)
+    if args.command == "import-hf":
+        print(import_hf(args.hf_dir, args.out_dir, args.attention_type))
+    else:
+        print(export_hf(args.megatron_dir, args.hf_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ output; Bridge's own schedule convention applies (step k uses the rate the sched
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -99,17 +100,19 @@ def fit_layout(model: ModelConfig, vocab_size: int, gpus: int, gpu_gib: float, *
                micro_batch_size: int = 1) -> ModelConfig:
     """``model`` with the smallest context-parallel size, then the fewest recomputed layers, that
     ``nemo-anchor plan`` says fit ``gpus`` GPUs of ``gpu_gib`` GiB (ValueError when none does)."""
-    sizes = [cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp <= gpus and gpus % cp == 0
-             and model.seq_length % (2 * cp) == 0]
-    for cp in sizes:
-        candidates = [replace(model, context_parallel_size=cp, recompute="none", recompute_num_layers=None)]
-        candidates += [replace(model, context_parallel_size=cp, recompute="full", recompute_num_layers=n)
-                       for n in range(1, model.num_layers + 1)]
-        for candidate in candidates:
-            plan = memory.plan_memory(candidate, vocab_size, memory.Layout(gpus, context=cp),
-                                      gpu_bytes=int(gpu_gib * memory.GIB), micro_batch_size=micro_batch_size)
-            if plan.fits:
-                return candidate
+    def fits(candidate: ModelConfig) -> bool:
+        plan = memory.plan_memory(candidate, vocab_size, memory.Layout(gpus, context=candidate.context_parallel_size),
+                                  gpu_bytes=int(gpu_gib * memory.GIB), micro_batch_size=micro_batch_size)
+        return plan.fits
+
+    for cp in (cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp <= gpus and gpus % cp == 0
+               and model.seq_length % (2 * cp) == 0):
+        plain = replace(model, context_parallel_size=cp, recompute="none", recompute_num_layers=None)
+        if fits(plain):
+            return plain
+        recomputing = [replace(plain, recompute="full", recompute_num_layers=n) for n in range(1, model.num_layers + 1)]
+        if fits(recomputing[-1]):  # memory falls with every recomputed layer: the first that fits
+            return recomputing[bisect.bisect_left(recomputing, True, key=fits)]
     raise ValueError(f"no context-parallel size up to {gpus} with full recompute fits {model.seq_length}-token windows "
                      f"on {gpus} x {gpu_gib} GiB: add GPUs")
 
