@@ -46,6 +46,12 @@ def apply_overrides(config, overrides: list[str]) -> None:
 def prepare(config) -> None:
     """Check the data against the model and size the vocabulary as ``nemo-anchor train`` does."""
     model, dataset = config.model, config.dataset
+    if model.tensor_model_parallel_size > 1 or model.pipeline_model_parallel_size > 1:
+        # Bridge builds the data iterator only on tensor rank 0 of the first and last stages and leaves
+        # broadcasting the batch to the forward step; ours carries variable-length cu_seqlens
+        raise ValueError(f"model.tensor_model_parallel_size={model.tensor_model_parallel_size}, "
+                         f"model.pipeline_model_parallel_size={model.pipeline_model_parallel_size}: this entry point "
+                         f"runs data and context parallelism; train tensor/pipeline layouts with nemo-anchor train")
     dataset.seq_length = model.seq_length
     windows = dataset.open()
     if model.vocab_size is None:
