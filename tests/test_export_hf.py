@@ -6,6 +6,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from nemo_anchor.compat import hf_rope
 from nemo_anchor.data import byte_tokenizer
 from nemo_anchor.export.hf import export_hf, import_hf, init_model_from_hf
 from nemo_anchor.export.hf_mapping import megatron_to_hf_state
@@ -139,11 +140,11 @@ def test_round_trip_hf_ours_hf_keeps_logits(tmp_path, family):
     exported = export_hf(ours, tmp_path / "back")
     back = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     assert type(back) is type(hf)
-    for key in ("rope_theta", "max_position_embeddings", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
+    for key in ("max_position_embeddings", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert getattr(back.config, key) == getattr(hf.config, key), key
+    assert hf_rope(back.config) == hf_rope(hf.config)  # theta and scaling
     head_dim = [getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads for c in (back.config, hf.config)]
     assert head_dim[0] == head_dim[1]
-    assert getattr(back.config, "rope_scaling", None) == getattr(hf.config, "rope_scaling", None)
     loaded, tokenizer = load_hf_model(tmp_path / "hf")
     assert tokenizer.bos_token_id == BOS
     tokens = sample_tokens()
@@ -204,9 +205,10 @@ def test_training_checkpoint_exports_to_transformers(tmp_path, name):
     exported = export_hf(tmp_path / "run", tmp_path / "hf")  # output_dir -> its latest checkpoint
 
     config = json.loads((exported / "config.json").read_text())
+    rope_theta, _ = hf_rope(transformers.AutoConfig.from_pretrained(exported))
     assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.architecture]]
     assert config["max_position_embeddings"] == cfg.seq_length
-    assert config["rope_theta"] == pytest.approx(cfg.resolved_rotary_base())
+    assert rope_theta == pytest.approx(cfg.resolved_rotary_base())
     assert config["num_key_value_heads"] == cfg.num_query_groups
     assert config["bos_token_id"] == BOS and config["eos_token_id"] == EOS
 

@@ -191,9 +191,9 @@ def test_megatron_bridge_is_optional():
         import megatron.bridge  # noqa: F401
     except Exception:  # noqa: BLE001 - what the module itself guards against
         with pytest.raises(ImportError, match="needs Megatron-Bridge"):
-            import nemo_anchor.nemo.bridge  # noqa: F401
+            import nemo_anchor.bridge  # noqa: F401
     else:
-        from nemo_anchor.nemo.bridge import AnchorGPTModelProvider
+        from nemo_anchor.bridge import AnchorGPTModelProvider
 
         assert AnchorGPTModelProvider(num_layers=1, hidden_size=64, num_attention_heads=4).attention_type == "anchor"
 

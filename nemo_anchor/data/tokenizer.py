@@ -100,7 +100,7 @@ def byte_tokenizer() -> Tokenizer:
 
     A byte-level BPE with no merges, so it round-trips any text exactly.
     """
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from nemo_anchor.compat import bytes_to_unicode
 
     char_of_byte = bytes_to_unicode()  # the printable stand-in ByteLevel uses for each byte
     vocab = {char_of_byte[b]: b for b in range(NUM_BYTES)}

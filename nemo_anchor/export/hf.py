@@ -47,7 +47,8 @@ def load_tokenizer(ckpt: LoadedCheckpoint):
 def to_hf_model(ckpt: LoadedCheckpoint, dtype: torch.dtype = torch.float32):
     """``(transformers model, tokenizer or None)`` holding the checkpoint's weights, in ``dtype``, eval mode."""
     import transformers
-    from transformers.modeling_utils import no_init_weights
+
+    from nemo_anchor.compat import no_init_weights
 
     tokenizer = load_tokenizer(ckpt)
     special = {} if tokenizer is None else dict(

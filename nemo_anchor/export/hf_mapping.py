@@ -22,6 +22,7 @@ from typing import Mapping
 
 import torch
 
+from nemo_anchor.compat import hf_rope, hf_rope_fields
 from nemo_anchor.export.megatron_state import fuse_qkv, split_qkv
 from nemo_anchor.model.config import LLAMA3_ROPE, ModelConfig
 
@@ -69,8 +70,7 @@ def to_hf_config(cfg: ModelConfig, vocab_size: int, *, bos_token_id=None, eos_to
         hidden_act="silu",
         max_position_embeddings=cfg.seq_length,
         rms_norm_eps=cfg.norm_epsilon,
-        rope_theta=cfg.resolved_rotary_base(),
-        rope_scaling=rope_scaling,
+        **hf_rope_fields(cfg.resolved_rotary_base(), rope_scaling),
         tie_word_embeddings=cfg.tie_embeddings,
         initializer_range=cfg.init_method_std,
         bos_token_id=bos_token_id,
@@ -81,7 +81,7 @@ def to_hf_config(cfg: ModelConfig, vocab_size: int, *, bos_token_id=None, eos_to
     if cfg.architecture == "llama":
         fields.update(attention_bias=False, mlp_bias=False)
     elif cfg.architecture == "mistral":
-        del fields["rope_scaling"]
+        fields.pop("rope_scaling", None)  # transformers 4.x MistralConfig has no such field
         fields.update(sliding_window=None)
     else:
         fields.update(use_sliding_window=False)
@@ -107,7 +107,8 @@ def model_config_from_hf(hf_config, *, source: str = "config.json", **overrides)
         refuse("sliding_window", window, "sliding-window attention is not implemented")
     if float(getattr(hf_config, "partial_rotary_factor", None) or 1.0) != 1.0:
         refuse("partial_rotary_factor", hf_config.partial_rotary_factor, "RoPE on the whole head only")
-    scaling = _rope_scaling_from_hf(hf_config, refuse)
+    rope_theta, hf_scaling = hf_rope(hf_config)
+    scaling = _rope_scaling_from_hf(hf_scaling, refuse)
     rope_type = scaling.get("rope_type", "default")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -121,7 +122,7 @@ def model_config_from_hf(hf_config, *, source: str = "config.json", **overrides)
         head_dim=None if head_dim * heads == hf_config.hidden_size else head_dim,
         vocab_size=hf_config.vocab_size,
         seq_length=hf_config.max_position_embeddings,
-        rotary_base=str(float(hf_config.rope_theta)),
+        rotary_base=str(rope_theta),
         norm_epsilon=hf_config.rms_norm_eps,
         init_method_std=hf_config.initializer_range,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
@@ -137,9 +138,9 @@ def model_config_from_hf(hf_config, *, source: str = "config.json", **overrides)
     return ModelConfig(**fields)
 
 
-def _rope_scaling_from_hf(hf_config, refuse) -> dict:
-    """The HF ``rope_scaling`` dict, normalised to carry ``rope_type``; anything Megatron cannot do is refused."""
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})  # MistralConfig has no such field
+def _rope_scaling_from_hf(scaling: dict, refuse) -> dict:
+    """The HF RoPE scaling dict, normalised to carry ``rope_type``; anything Megatron cannot do is refused."""
+    scaling = dict(scaling)
     rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
     if rope_type not in _ROPE_KEYS:
         refuse("rope_scaling.rope_type", rope_type, f"choose one of {sorted(_ROPE_KEYS)}")

@@ -4,7 +4,7 @@
   the paper's presets; ``model.config.attention_type`` in NeMo YAML selects the attention.
 - ``nemo_anchor.nemo.recipes``: ``llm.pretrain`` recipes (``nemo llm pretrain --factory ...``).
 - ``nemo_anchor.nemo.data``: ``AnchorPackedDataModule`` over ``nemo-anchor pack`` output.
-- ``nemo_anchor.nemo.bridge``: the same for Megatron-Bridge, when it is installed.
+- Megatron-Bridge (NVIDIA's successor to the NeMo 2 LLM collection): ``nemo_anchor.bridge``.
 
 Submodules import NeMo (about 20 s), so nothing is imported here.
 """

@@ -1,7 +1,7 @@
 """What turns a Megatron ``TransformerConfig`` subclass into an AnchorAttention model config.
 
 NeMo 2 configs (``nemo_anchor.nemo.config``) and the Megatron-Bridge provider
-(``nemo_anchor.nemo.bridge``) share :class:`AnchorConfigMixin`: an ``attention_type`` field, a
+(``nemo_anchor.bridge.provider``) share :class:`AnchorConfigMixin`: an ``attention_type`` field, a
 ``transformer_layer_spec`` that builds our spec (Megatron's GPT layer spec with
 ``AnchorCoreAttention``), and data/forward steps that carry document and window boundaries to
 the core attention through ``AnchorPackedSeqParams``. Nothing here imports NeMo.

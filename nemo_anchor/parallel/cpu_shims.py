@@ -46,6 +46,8 @@ _CUDA_ASSUMING_MODULES = (
     "pipeline_parallel.p2p_communication",
     "dist_checkpointing.strategies.filesystem_async",
     "dist_checkpointing.strategies.state_dict_saver",
+    "transformer.utils",  # get_default_causal_mask allocates on "cuda" (reached from megatron-core 0.19's forward)
+    "timers",  # synchronises CUDA (Megatron-Bridge's training loop times with it)
 )
 
 
@@ -55,14 +57,19 @@ def install_cpu_shims() -> bool:
     if torch.cuda.is_available():
         return False
     if not _installed:
-        cpu_torch = _TorchOnCpu()
-        for name in _CUDA_ASSUMING_MODULES:
-            importlib.import_module(f"megatron.core.{name}").torch = cpu_torch
+        route_cuda_to_cpu(f"megatron.core.{name}" for name in _CUDA_ASSUMING_MODULES)
         _patch_rng_tracker()
         _patch_cp_position_embedding()
         _patch_cuda_type_checks()
         _installed = True
     return True
+
+
+def route_cuda_to_cpu(module_names) -> None:
+    """The named modules (full names) see a ``torch`` whose CUDA device is the CPU (:class:`_TorchOnCpu`)."""
+    cpu_torch = _TorchOnCpu()
+    for name in module_names:
+        importlib.import_module(name).torch = cpu_torch
 
 
 def _cpu_if_cuda(device):
@@ -109,6 +116,10 @@ class _CudaOnCpu:
     @staticmethod
     def empty_cache():
         return None
+
+    # the CPU generator is what the CPU RNG tracker (below) tracks in place of CUDA's
+    get_rng_state = staticmethod(torch.get_rng_state)
+    set_rng_state = staticmethod(torch.set_rng_state)
 
     @staticmethod
     def default_stream(*args, **kwargs):
@@ -167,7 +178,7 @@ def _patch_rng_tracker() -> None:
     def set_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    def cpu_manual_seed(seed, te_rng_tracker=False, inference_rng_tracker=False, **_):
+    def cpu_manual_seed(seed, te_rng_tracker=False, inference_rng_tracker=False, *_, **__):
         mrandom.initialize_rng_tracker()
         tracker = mrandom.get_cuda_rng_tracker()
         tracker.reset()

@@ -252,7 +252,8 @@ def verify_files(ckpt_dir: str | os.PathLike) -> None:
 
     Collective. With a ``CHECKSUMS`` manifest (every checkpoint this trainer saves) each file's size
     and CRC-32 are compared, the ranks sharing the reading. Without one (a weights-only checkpoint)
-    only metadata is read: ``metadata.json``, ``common.pt`` and the tensor index, whose entries say
+    only metadata is read: ``metadata.json``, the common state (``common.pt`` up to megatron-core
+    0.18, inside the torch_dist files from 0.19 on) and the tensor index, whose entries say
     how many bytes of which file each tensor occupies.
     """
     ckpt_dir = Path(ckpt_dir)
@@ -277,13 +278,13 @@ def verify_files(ckpt_dir: str | os.PathLike) -> None:
 
 
 def _verify_against_index(ckpt_dir: Path) -> None:
-    for name in ("metadata.json", "common.pt", ".metadata"):
+    for name in ("metadata.json", ".metadata"):
         if not (ckpt_dir / name).is_file():
             raise CheckpointError(f"{ckpt_dir / name} is missing")
     try:
         with open(ckpt_dir / ".metadata", "rb") as handle:
             index = pickle.load(handle)
-        torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=False)
+        dist_checkpointing.load_common_state_dict(str(ckpt_dir))
     except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(f"{ckpt_dir}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from None
     needed: dict[str, int] = {}

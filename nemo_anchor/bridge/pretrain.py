@@ -1,0 +1,96 @@
+"""Megatron-Bridge's own ``pretrain()`` on packed windows with AnchorAttention.
+
+    python -m nemo_anchor.bridge.pretrain --recipe anchor_smollm2_135m \\
+        dataset.path=runs/packed checkpoint.pretrained_checkpoint=runs/smollm2-bridge \\
+        checkpoint.save=runs/bridge-run checkpoint.load=runs/bridge-run train.train_iters=6
+    python -m nemo_anchor.bridge.pretrain --config my-run.yaml ...   # a `nemo-anchor train` config as the recipe
+
+Overrides name Bridge's ``ConfigContainer`` fields (``model.num_layers=2``, ``train.global_batch_size=2``,
+``optimizer.lr=1e-3`` ...), plus ``dataset.path``, a ``nemo-anchor pack`` directory. Under torchrun
+each process is one rank (gloo on the CPU). ``metrics.jsonl`` is written under ``checkpoint.save``;
+with ``checkpoint.load`` pointing there too, running the same command again resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from nemo_anchor.bridge.convert import HF_REFERENCE
+from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
+from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
+from nemo_anchor.training.config import load_config
+from nemo_anchor.training.loop import padded_vocab_size
+
+
+def apply_overrides(config, overrides: list[str]) -> None:
+    """``a.b=value`` sets field ``b`` of ``config.a`` (YAML value syntax); ValueError naming an unknown key."""
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep:
+            raise ValueError(f"override {override!r} must look like key=value")
+        *path, name = key.split(".")
+        owner = config
+        for i, part in enumerate(path):
+            if not hasattr(owner, part):
+                raise ValueError(f"unknown config key {'.'.join(path[:i + 1])} (in {override!r})")
+            owner = getattr(owner, part)
+        if not hasattr(owner, name):
+            raise ValueError(f"unknown config key {key} (in {override!r})")
+        setattr(owner, name, OmegaConf.from_dotlist([f"value={text}"])["value"])
+
+
+def prepare(config) -> None:
+    """Check the data against the model and size the vocabulary as ``nemo-anchor train`` does."""
+    model, dataset = config.model, config.dataset
+    if model.tensor_model_parallel_size > 1 or model.pipeline_model_parallel_size > 1:
+        # Bridge builds the data iterator only on tensor rank 0 of the first and last stages and leaves
+        # broadcasting the batch to the forward step; ours carries variable-length cu_seqlens
+        raise ValueError(f"model.tensor_model_parallel_size={model.tensor_model_parallel_size}, "
+                         f"model.pipeline_model_parallel_size={model.pipeline_model_parallel_size}: this entry point "
+                         f"runs data and context parallelism; train tensor/pipeline layouts with nemo-anchor train")
+    dataset.seq_length = model.seq_length
+    windows = dataset.open()
+    if model.vocab_size is None:
+        model.vocab_size = padded_vocab_size(windows.tokenizer.vocab_size, model.tensor_model_parallel_size)
+    windows.check_token_ids(model.vocab_size)
+    config.tokenizer.vocab_size = model.vocab_size
+    if not config.checkpoint.save:
+        raise ValueError("checkpoint.save is not set: give the run's output directory")
+    start = config.checkpoint.pretrained_checkpoint
+    save = Path(config.checkpoint.save)
+    if start and (Path(start) / HF_REFERENCE).is_dir() and not (save / HF_REFERENCE).exists():
+        save.mkdir(parents=True, exist_ok=True)  # export_hf of this run needs the HF model it started from
+        shutil.copytree(Path(start) / HF_REFERENCE, save / HF_REFERENCE)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nemo_anchor.bridge.pretrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--recipe", choices=sorted(RECIPES))
+    source.add_argument("--config", help="a `nemo-anchor train` YAML file: its run, configured for Bridge")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: measured)")
+    parser.add_argument("overrides", nargs="*", help="ConfigContainer overrides, key=value")
+    args = parser.parse_intermixed_args(argv)
+    from megatron.bridge.training.pretrain import pretrain
+
+    config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
+    apply_overrides(config, args.overrides)
+    prepare(config)
+    if not torch.cuda.is_available():
+        # The writer's result queue is a multiprocessing Manager, started with "spawn" on a synchronous
+        # save (filesystem_async.py:200): a fresh interpreter that imports this whole stack again, 20-40 s
+        # per run here. Bridge creates it with checkpoint.async_write_results_mp_mode ("fork") for async
+        # saves (training/state.py:432); do the same first.
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
+
+        get_write_results_queue(config.checkpoint.async_write_results_mp_mode)
+    pretrain(config, anchor_forward_step, callbacks=[MetricsCallback(args.peak_tflops)])
+
+
+if __name__ == "__main__":
+    main()

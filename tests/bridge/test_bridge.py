@@ -1,0 +1,200 @@
+"""AnchorAttention on Megatron-Bridge 0.6 (.venv-bridge): conversion through AutoBridge, Bridge's own
+pretrain() on packed windows against `nemo-anchor train`, resume, context parallel 2 under torchrun.
+
+Skipped where Megatron-Bridge is not installed (the NeMo 2 environment).
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.bridge") is None:  # checked before nemo_anchor.bridge installs its shims
+    pytest.skip("Megatron-Bridge is not installed (scripts/setup_env.sh's .venv-bridge has it)", allow_module_level=True)
+
+import nemo_anchor.bridge as bridge  # noqa: E402
+
+import transformers  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from nemo_anchor.cli import main as cli  # noqa: E402
+from nemo_anchor.compat import hf_rope  # noqa: E402
+from nemo_anchor.data import byte_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
+         "How vexingly quick daft zebras jump; " * 9, "a", "Waltz, bad nymph, for quick jigs vex. " * 12] * 6
+SHAPE = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2)
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+
+def save_tiny_llama(path, **extra):
+    """A random 2-layer grouped-query Llama with the byte tokenizer (norms away from 1, so a swap shows)."""
+    config = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=256, eos_token_id=257, pad_token_id=258, **extra)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    byte_tokenizer().save(path)
+    return path
+
+
+def assert_same_tensors(a_dir, b_dir):
+    """Every tensor of HF directory ``a_dir`` in ``b_dir``, bit for bit (a tied lm_head may be saved once)."""
+    a, b = load_file(Path(a_dir) / "model.safetensors"), load_file(Path(b_dir) / "model.safetensors")
+    if transformers.AutoConfig.from_pretrained(a_dir).tie_word_embeddings:
+        for tensors in (a, b):
+            head = tensors.pop("lm_head.weight", None)
+            assert head is None or torch.equal(head, tensors["model.embed_tokens.weight"])
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+def test_round_trip_keeps_every_tensor_and_the_rope(tmp_path):
+    hf = save_tiny_llama(tmp_path / "hf", **{"rope_scaling": LLAMA31_SCALING, "rope_theta": 500000.0})
+    megatron = bridge.import_hf(hf, tmp_path / "megatron", attention_type="anchor")
+    assert (megatron / "iter_0000000" / "run_config.yaml").is_file()
+    assert "AnchorGPTModelProvider" in (megatron / "iter_0000000" / "run_config.yaml").read_text()
+    back = bridge.export_hf(megatron, tmp_path / "back")
+    assert_same_tensors(hf, back)
+    original, exported = (transformers.AutoConfig.from_pretrained(d) for d in (hf, back))
+    assert hf_rope(exported) == hf_rope(original)
+    with pytest.raises(FileExistsError, match="is not empty"):
+        bridge.export_hf(megatron, tmp_path / "back")
+    with pytest.raises(ValueError, match="overlaps the input"):
+        bridge.import_hf(hf, hf / "inside")
+
+
+def test_smollm2_round_trip_keeps_every_tensor(tmp_path, smollm2_dir):
+    back = bridge.export_hf(bridge.import_hf(smollm2_dir, tmp_path / "megatron"), tmp_path / "back")
+    assert_same_tensors(smollm2_dir, back)
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """(packed byte windows of 64 tokens, an HF Llama, its import_hf checkpoint, a `nemo-anchor train` YAML)."""
+    root = tmp_path_factory.mktemp("bridge")
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    assert cli(["pack", "--input", str(root / "corpus.jsonl"), "--tokenizer", "byte", "--seq-length", "64",
+                "--output", str(root / "packed")]) == 0
+    hf = save_tiny_llama(root / "hf", rope_theta=10000.0)
+    megatron = bridge.import_hf(hf, root / "megatron")
+    config = root / "run.yaml"
+    config.write_text(json.dumps({
+        "output_dir": str(root / "ours"),
+        "model": {**SHAPE, "seq_length": 64, "attention_type": "anchor", "rotary_base": "10000", "init_from_hf": str(hf)},
+        "data": {"path": str(root / "packed")},
+        "trainer": {"max_steps": 6, "global_batch_size": 2, "micro_batch_size": 1, "precision": "fp32",
+                    "progress_bar": False, "eval_batches": 0},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
+        "checkpoint": {"save_every": 3},
+    }))
+    return root, megatron, config
+
+
+def bridge_pretrain(config, megatron, save, *overrides, nproc=1):
+    launcher = [sys.executable, "-m", "nemo_anchor.bridge.pretrain"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "nemo_anchor.bridge.pretrain"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([*launcher, "--config", str(config), f"checkpoint.pretrained_checkpoint={megatron}",
+                          f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops", "1", *overrides],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {r["step"]: r for r in map(json.loads, (Path(save) / "metrics.jsonl").read_text().splitlines())}
+
+
+def losses(rows):
+    return {step: row["loss"] for step, row in rows.items() if "loss" in row}
+
+
+@pytest.fixture(scope="module")
+def straight(start, tmp_path_factory):
+    """Bridge's pretrain() for 6 steps from the imported weights: (checkpoint.save, metrics rows by step)."""
+    root, megatron, config = start
+    save = tmp_path_factory.mktemp("straight")
+    return save, bridge_pretrain(config, megatron, save)
+
+
+def test_pretrain_writes_metrics_and_equals_our_trainer(start, straight, tmp_path):
+    root, megatron, config = start
+    save, rows = straight
+    assert sorted(rows) == list(range(1, 7))
+    assert {"step", "loss", "lr", "tokens_per_s", "tflops_per_device", "mfu"} <= set(rows[1])
+    assert rows[1]["lr"] == 1e-3 and rows[6]["loss"] < rows[1]["loss"]
+    assert cli(["train", "--config", str(config), f"output_dir={tmp_path / 'ours'}", "trainer.max_steps=3"]) == 0
+    ours = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+    assert sorted(ours) == [1, 2, 3]
+    for step in ours:  # same data, initial weights, optimizer and loss normalisation: fp32 rounding apart
+        assert rows[step]["loss"] == pytest.approx(ours[step], abs=1e-5)
+
+
+def test_three_steps_then_resume_to_six_equals_the_straight_run(start, straight, tmp_path):
+    root, megatron, config = start
+    bridge_pretrain(config, megatron, tmp_path / "split", "train.train_iters=3")
+    assert losses(bridge_pretrain(config, megatron, tmp_path / "split")) == losses(straight[1])  # bit for bit
+
+
+def test_context_parallel_2_under_torchrun_equals_one_process(start, straight, tmp_path):
+    root, megatron, config = start
+    two = losses(bridge_pretrain(config, megatron, tmp_path / "cp2", "train.train_iters=2",
+                                 "model.context_parallel_size=2", nproc=2))
+    assert sorted(two) == [1, 2]
+    for step in two:
+        assert two[step] == pytest.approx(straight[1][step]["loss"], abs=1e-5)
+
+
+def test_trained_checkpoint_exports_to_transformers(start, straight, tmp_path):
+    root = start[0]
+    exported = bridge.export_hf(straight[0], tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    before, after = load_file(root / "hf" / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert sorted(before) == sorted(after) and not torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+
+
+def test_overrides_and_data_errors_name_the_key(start, tmp_path):
+    from nemo_anchor.bridge.pretrain import apply_overrides, prepare
+    from nemo_anchor.bridge.recipes import from_run_config
+    from nemo_anchor.training.config import load_config
+
+    root, megatron, config = start
+    recipe = from_run_config(load_config(config))
+    apply_overrides(recipe, ["train.train_iters=3", "optimizer.lr=1e-3", "model.num_layers=1", "dataset.path=null"])
+    assert (recipe.train.train_iters, recipe.optimizer.lr, recipe.model.num_layers) == (3, 1e-3, 1)
+    with pytest.raises(ValueError, match="unknown config key train.iters"):
+        apply_overrides(recipe, ["train.iters=3"])
+    with pytest.raises(ValueError, match="dataset.path is not set"):
+        prepare(recipe)
+    apply_overrides(recipe, [f"dataset.path={root / 'packed'}", "model.seq_length=128", f"checkpoint.save={tmp_path}"])
+    with pytest.raises(ValueError, match="windows of 64 tokens but model.seq_length=128"):
+        prepare(recipe)
+    apply_overrides(recipe, ["model.seq_length=64", "model.tensor_model_parallel_size=2"])
+    with pytest.raises(ValueError, match="model.tensor_model_parallel_size=2"):
+        prepare(recipe)
+
+
+def test_recipes_build_and_the_context_extension_fits_the_planner():
+    from nemo_anchor.bridge.recipes import RECIPES, llama3_context_extension
+
+    for name, recipe in RECIPES.items():
+        config = recipe()
+        assert config.model.attention_type == "anchor", name
+    paper = llama3_context_extension(131_072)
+    assert paper.model.seq_length == 131_072 and paper.model.rotary_base == 1e7  # the paper's 10M at 128K
+    assert paper.model.context_parallel_size > 1 and paper.model.recompute_granularity == "full"
+    scaled = llama3_context_extension(65_536, rope="llama3.1")
+    assert scaled.model.rope_scaling and scaled.model.rope_scaling_factor == 8.0 and scaled.model.rotary_base == 5e5
+    with pytest.raises(ValueError, match="no context-parallel size up to 1"):
+        llama3_context_extension(131_072, gpus=1, gpu_gib=80)
