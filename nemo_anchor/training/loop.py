@@ -111,10 +111,8 @@ class Trainer:
         self.step = 0
         self.resumed_from = None
         if resume_from is not None:  # before anything is written: a checkpoint that does not fit fails here
-            if schedule_from_config:  # Megatron-LM's --override-opt-param-scheduler
-                self.engine.scheduler.override_opt_param_scheduler = True
-                self.engine.scheduler.use_checkpoint_opt_param_scheduler = False
-            state = ckpt.load_checkpoint(resume_from, self.engine)
+            with self._schedule_kept(schedule_from_config):
+                state = ckpt.load_checkpoint(resume_from, self.engine)
             try:
                 self.sampler.load_state_dict(state["sampler"])
             except ValueError as err:
@@ -180,6 +178,22 @@ class Trainer:
             self._say("note: the learning rate keeps the checkpoint's schedule (decay over its steps); pass "
                       "--allow-change trainer.max_steps to decay over the new trainer.max_steps")
         return override
+
+    @contextlib.contextmanager
+    def _schedule_kept(self, from_config: bool):
+        """While a checkpoint loads: with ``from_config``, the LR schedule stays the new config's, as Megatron-LM's
+        --override-opt-param-scheduler keeps it (the scheduler's values, and the param groups' max_lr/min_lr,
+        which the optimizer's state would bring back)."""
+        if not from_config:
+            yield
+            return
+        scheduler, groups = self.engine.scheduler, self.engine.optimizer.param_groups
+        scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
+        bounds = [{key: group[key] for key in ("max_lr", "min_lr") if key in group} for group in groups]
+        yield
+        for group, kept in zip(self.engine.optimizer.param_groups, bounds):
+            group.update(kept)
+        scheduler.step(0)  # this step's lr and weight decay from the new schedule
 
     def _open_data(self) -> tuple[PackedDataset, PackedDataset | None, int]:
         """Open and check every dataset the run reads; returns (train, valid or None, vocabulary size)."""

@@ -70,19 +70,21 @@ def compare(checkpoint: Path, saved: dict, new: dict, allow: list[str], saved_da
         ResumeRefused: the first key that may not change (model keys first), with both values and what to do.
     """
     old, now = flatten(saved), flatten(new)
-    changed = {key: (old.get(key), now.get(key)) for key in sorted(old.keys() | now.keys(), key=_order)
-               if old.get(key) != now.get(key)}
-    if saved_data is not None:
+    changed = {key: (old.get(key), now.get(key)) for key in old.keys() | now.keys() if old.get(key) != now.get(key)}
+    if saved_data is not None:  # the data compared by content: moved is the same, another of its size is not
         changed.pop(DATA_KEY, None)
         if saved_data != new_data:
-            raise ResumeRefused(
-                f"cannot resume {checkpoint}: data.path={now.get(DATA_KEY)} is not the packed dataset it was trained "
-                f"on (data.path was {old.get(DATA_KEY)}; fingerprint {saved_data[:12]} -> {new_data[:12]}): resume "
-                f"with that dataset, or train into a new output_dir (model.init_from_hf={checkpoint} starts from "
-                f"its weights)")
+            changed[DATA_KEY] = (old.get(DATA_KEY), now.get(DATA_KEY))
+    changed = {key: changed[key] for key in sorted(changed, key=_order)}
     for key, (before, after) in changed.items():
         if key in FREE or (key in ALLOWABLE and key in allow):
             continue
+        if key == DATA_KEY:
+            fingerprints = "" if saved_data is None else f"; fingerprint {saved_data[:12]} -> {new_data[:12]}"
+            raise ResumeRefused(
+                f"cannot resume {checkpoint}: data.path={after} is not the packed dataset it was trained on "
+                f"(data.path was {before}{fingerprints}): resume with that dataset, or train into a new output_dir "
+                f"(model.init_from_hf={checkpoint} starts from its weights)")
         if key in ALLOWABLE:
             hint = (f"to resume with the new value on purpose, pass --allow-change {key} (config: "
                     f"checkpoint.allow_change=[{key}]), or set {key}={before!r}")
