@@ -139,7 +139,8 @@ def run_dir_of(ckpt_dir: str | os.PathLike) -> RunDir:
 
 
 class RunDirInUse(ValueError):
-    """Another run holds the output_dir's lock (the message names its host and pid and what to do)."""
+    """The output_dir cannot be taken: another run holds its lock (the message names its host and pid and what
+    to do), or it cannot be written."""
 
 
 class RunLock:

@@ -147,12 +147,13 @@ class Trainer:
         if self.ctx.is_main:
             try:
                 claim = RunClaim(self.run)
-            except (RunDirInUse, OSError) as err:
-                refusal[0] = f"{type(err).__name__}:{err}"
+            except RunDirInUse as err:
+                refusal[0] = str(err)
+            except OSError as err:
+                refusal[0] = f"cannot write in output_dir {self.run.root}: {err.strerror or err}"
         dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
-            kind, message = refusal[0].split(":", 1)
-            raise RunDirInUse(message) if kind == "RunDirInUse" else OSError(message)
+            raise RunDirInUse(refusal[0])
         return claim
 
     def _release(self, *, failed: bool) -> None:
