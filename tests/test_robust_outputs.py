@@ -97,7 +97,8 @@ def miswritten(outputs, tmp_path, key, value):
 
 
 MISMATCHES = [  # config.json says key=value for the weights of a 2-layer, hidden 16, vocab 259 model
-    ("num_hidden_layers", 3, r"lack tensor model\.layers\.2\.\S+ of shape \(\d+,?\s?\d*\), which .*\(num_hidden_layers=3\)"),
+    ("num_hidden_layers", 3, r"lack tensor model\.layers\.2\.\S+ of shape \([\d, ]+\), which .*"
+                             r"\(num_hidden_layers=3\)"),
     ("num_hidden_layers", 1, r"tensor model\.layers\.1\.\S+ of shape .* is not used by .*\(num_hidden_layers=1\)"),
     ("hidden_size", 32, r"tensor model\.embed_tokens\.weight has shape \(259, 16\) in the weights, but .*"
                         r"\(hidden_size=32\) makes it \(259, 32\)"),

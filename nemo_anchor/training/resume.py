@@ -3,8 +3,9 @@
 Three kinds of keys (dotted names of the run config):
 
 - keys that only say how the run is executed or logged (:data:`FREE`: ``trainer.max_steps``,
-  logging, evaluation and save intervals, micro-batch size, recompute, context-parallel size, ...)
-  change on resume; the change is reported in one line;
+  logging, evaluation and save intervals, micro-batch size, recompute, context-parallel size, ...;
+  and ``model.init_from_hf``, which a resume does not read) change on resume; the change is
+  reported in one line;
 - keys Megatron-LM users change on purpose mid-run (:data:`ALLOWABLE`: the LR schedule,
   ``trainer.global_batch_size``, ``optim.clip_grad``) change only when listed in
   ``checkpoint.allow_change`` (``nemo-anchor train --allow-change optim.lr,...``), and are then
@@ -33,6 +34,7 @@ FREE = frozenset({
     "checkpoint.save_every", "checkpoint.keep_last", "checkpoint.resume", "checkpoint.allow_change",
     "data.valid_path", "model.recompute", "model.recompute_num_layers", "model.context_parallel_size",
     "model.cp_comm_type", "model.attention_backend",
+    "model.init_from_hf",  # read by fresh runs only: a resume takes its weights from the checkpoint
 })
 DATA_KEY = "data.path"
 
