@@ -20,6 +20,7 @@ folder it made, so nothing half-made is left behind.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -148,34 +149,36 @@ class RunLock:
 
     Taken with an exclusive create (``O_CREAT | O_EXCL``), so of two runs starting at once exactly
     one gets it. A lock left by a process of this host that no longer exists (``kill -9``, a
-    crash) is stale: it is renamed aside (atomic), checked to be the stale one, and removed before
-    the lock is taken again. A lock of another host cannot be checked from here and is never broken.
+    crash) is stale and is taken over: the run that gets the companion ``.break`` lock (also an
+    exclusive create) checks that the lock still is the stale one and removes it, so of several
+    runs finding it at once one removes it and one takes the lock. A lock of another host cannot be
+    checked from here and is never broken.
     """
+
+    BREAK_STALE_S = 5.0  # a .break lock older than this was left by a run that died while breaking
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self.break_path = self.path.with_name(self.path.name + ".break")
         self.record: dict | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, timeout_s: float = 10.0) -> None:
         """Take the lock or raise :class:`RunDirInUse`."""
         record = {"host": socket.gethostname(), "pid": os.getpid(),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": secrets.token_hex(8)}
-        for _ in range(5):
-            if self._create(record):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._create(self.path, record):
                 self.record = record
                 return
             holder = self._read(self.path)
-            if holder is None:  # gone meanwhile, or being written by a run that just took it
-                time.sleep(0.05)
-                holder = self._read(self.path)
-                if holder is None and self.path.exists():
-                    raise RunDirInUse(f"{self.path.parent} is locked by {self.path}, which is unreadable: if no "
-                                      f"training run writes into this folder, remove {self.path}")
-                continue
-            if not self._stale(holder):
+            if holder is not None and not self._stale(holder):
                 raise RunDirInUse(self._held_message(holder))
-            self._break(holder)
-        raise RunDirInUse(f"{self.path.parent}: could not take {self.path} (other runs keep taking it)")
+            if holder is not None:
+                self._break(holder, record)
+            time.sleep(0.02)  # being written, or being broken by another run
+        raise RunDirInUse(f"output_dir {self.path.parent}: could not take {self.path} within {timeout_s:g} s; if no "
+                          f"training run writes into this folder, remove {self.path}")
 
     def release(self) -> None:
         """Remove the lock if it is still this one's."""
@@ -183,9 +186,23 @@ class RunLock:
             self.path.unlink(missing_ok=True)
         self.record = None
 
-    def _create(self, record: dict) -> bool:
+    def _break(self, stale: dict, record: dict) -> None:
+        """Remove the lock if it still is ``stale``, holding ``.break`` meanwhile (only its holder removes locks)."""
+        if not self._create(self.break_path, record):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - self.break_path.stat().st_mtime > self.BREAK_STALE_S:
+                    self.break_path.unlink()
+            return
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            if self._read(self.path) == stale:  # nobody else removes a lock meanwhile: still the stale one
+                self.path.unlink()
+        finally:
+            self.break_path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _create(path: Path, record: dict) -> bool:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
         with os.fdopen(fd, "w") as handle:
@@ -203,18 +220,6 @@ class RunLock:
     @staticmethod
     def _stale(holder: dict) -> bool:
         return holder["host"] == socket.gethostname() and not process_alive(int(holder["pid"]))
-
-    def _break(self, holder: dict) -> None:
-        """Remove the stale lock ``holder``, never a live one another run took in the meantime."""
-        aside = self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.stale")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return  # another run broke it first
-        moved = self._read(aside)
-        if moved != holder and moved is not None:
-            self._create(moved)  # a live lock taken in between: put it back (refused if yet another exists)
-        aside.unlink(missing_ok=True)
 
     def _held_message(self, holder: dict) -> str:
         where = f"host {holder['host']}, pid {holder['pid']}" + (f", started {holder['started']}"

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,16 +125,18 @@ def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
 def test_runs_racing_for_a_stale_lock_get_it_once(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
+    # each racer waits for the same moment, tries, says how it went; the winner holds the lock until stdin closes
     script = ("import sys, time\nfrom nemo_anchor.run_dir import RunLock, RunDirInUse\n"
-              "time.sleep(float(sys.argv[2]) - time.time())\n"
-              "try:\n    RunLock(sys.argv[1]).acquire(); print('won', flush=True); time.sleep(3)\n"
-              "except RunDirInUse:\n    print('refused')\n")
-    import time
-    start = str(time.time() + 3)
+              "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
+              "try:\n    RunLock(sys.argv[1]).acquire(); print('won', flush=True); sys.stdin.read()\n"
+              "except RunDirInUse:\n    print('refused', flush=True)\n")
+    start = str(time.time() + 1.5)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     racers = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / LOCK_FILE), start], env=env,
-                               stdout=subprocess.PIPE, text=True) for _ in range(6)]
-    results = [racer.communicate(timeout=60)[0].strip() for racer in racers]
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    results = [racer.stdout.readline().strip() for racer in racers]
+    for racer in racers:
+        racer.communicate(timeout=60)
     assert sorted(results) == ["refused"] * 5 + ["won"], results
 
 

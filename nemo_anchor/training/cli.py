@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return _train(args)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as err:
         if int(os.environ.get("RANK", "0")) == 0:  # every rank meets the same error; one says it
-            print(f"nemo-anchor train: error: {err}", file=sys.stderr, flush=True)
+            message = " ".join(str(err).split())  # one line, whatever the library's message looked like
+            print(f"nemo-anchor train: error: {message}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
         return EXIT_USER_ERROR
@@ -71,7 +72,7 @@ def _train(args: argparse.Namespace) -> int:
     from nemo_anchor.training.loop import EXIT_INTERRUPTED, train
 
     overrides = list(args.overrides)
-    if getattr(args, "allow_change", None):
+    if args.allow_change:
         keys = [key.strip() for key in args.allow_change.split(",") if key.strip()]
         overrides.append(f"checkpoint.allow_change=[{','.join(keys)}]")
     summary = train(load_config(args.config, overrides))
