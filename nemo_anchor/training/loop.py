@@ -4,7 +4,9 @@ One process or many under torchrun: tensor x pipeline x context x data parallel,
 DDP, distributed optimizer and schedules (:mod:`nemo_anchor.training.engine`). The loss of a step
 is the mean over every loss token of the global batch, so every parallel layout reproduces the
 single-process loss. Everything a run reads is checked before anything in ``output_dir`` is
-written; a resumed run continues from the newest intact checkpoint.
+written; a resumed run continues from the newest intact checkpoint, with the same model and data
+(:mod:`nemo_anchor.training.resume`); one run writes into an ``output_dir`` at a time
+(:class:`~nemo_anchor.run_dir.RunClaim`).
 """
 from __future__ import annotations
 
