@@ -10,7 +10,9 @@ The rules, the same for ``pack``, ``export-hf``, ``import-hf``, ``probe`` and ``
   it. A directory without it, written by another subcommand (``export-hf --overwrite`` over a packed
   dataset), or holding anything it does not list, is refused (an empty directory counts as absent);
 - the new output is built in a hidden staging directory next to the target and renamed into place,
-  so a failure leaves the earlier output (or nothing) behind, never half of one;
+  so a failure leaves the earlier output (or nothing) behind, never half of one; a full disk, an
+  exceeded quota, a read-only file system or a folder without write permission is reported as one
+  line naming the output and the cause (:func:`write_faults_named`);
 - SIGTERM cleans up as SIGINT does (the staging directory is removed; exit status 143), and staging
   directories of runs that died without cleaning up (``kill -9``) are removed by the next run;
 - outputs get the user's normal permissions (``0o777``/``0o666`` less the umask).
@@ -18,6 +20,7 @@ The rules, the same for ``pack``, ``export-hf``, ``import-hf``, ``probe`` and ``
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -132,17 +135,13 @@ def atomic_directory(target: str | os.PathLike, *, inputs: Iterable[str | os.Pat
     remove_stale_staging(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = _sibling(target, _STAGING)
-    with _sigterm_raises():  # from before the staging directory exists to after it is gone
-        try:
-            staging.mkdir()  # mode 0o777 less the umask, unlike mkdtemp's 0o700
-            yield staging
-            (staging / MARKER).write_text(json.dumps({"tool": _TOOL, "command": command,
-                                                      "files": _listing(staging)}, indent=1))
-            _give_user_modes(staging)
-            _replace(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+    with _sigterm_raises(), write_faults_named(target, staging):
+        staging.mkdir()  # mode 0o777 less the umask, unlike mkdtemp's 0o700
+        yield staging
+        (staging / MARKER).write_text(json.dumps({"tool": _TOOL, "command": command,
+                                                  "files": _listing(staging)}, indent=1))
+        _give_user_modes(staging)
+        _replace(staging, target)
 
 
 def _give_user_modes(directory: Path) -> None:
@@ -242,12 +241,58 @@ def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
     The file is created with mode ``0o666`` less the umask, as ``open(target, "w")`` would.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(target, _STAGING)
-    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-    try:
+    with write_faults_named(target, tmp):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         yield tmp
         os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+
+# errno of the faults a write can meet that are the disk's or the folder's, not the data's
+_WRITE_FAULTS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                 errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                 errno.EPERM: "operation not permitted"}
+_NEARLY_FULL = 1 << 20  # bytes: a write that failed without an errno on a file system this full ran out of space
+
+
+@contextlib.contextmanager
+def write_faults_named(target: str | os.PathLike, *partial: str | os.PathLike) -> Iterator[None]:
+    """Writing ``target`` (through the ``partial`` staging paths): on any failure the partial output is
+    removed, and one caused by the disk (full, over quota, read-only) or the folder's permissions is
+    raised as an OutputError naming ``target`` and the cause, not a temporary file or a library's
+    internals. Every atomic write of the project goes through here."""
+    target = Path(os.path.abspath(target))
+    try:
+        yield
+    except BaseException as error:
+        fault = _write_fault(error, target)  # before the partial output, which fills the disk, is removed
+        for path in map(Path, partial):
+            with contextlib.suppress(OSError):  # a read-only file system refuses even to unlink what is absent
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        if fault is None:
+            raise
+        raise OutputError(f"cannot write {target}: {fault}") from error
+
+
+def _write_fault(error: BaseException, target: Path) -> str | None:
+    """The disk or permission fault of a write next to ``target`` behind ``error``: an errno in its
+    chain (on a path in ``target``'s folder when the error names one: reading an input is not
+    writing), else, for a short write reported without an errno (torch's zip writer, numpy's
+    ``tofile``), a file system with no space left."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit, ValueError)):  # interrupted, or refused with a message
+        return None
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if getattr(cause, "errno", None) in _WRITE_FAULTS:
+            name = getattr(cause, "filename", None)
+            if name is None or Path(os.path.abspath(name)).is_relative_to(target.parent):
+                return _WRITE_FAULTS[cause.errno]
+            return None
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    existing = next(path for path in (target, *target.parents) if path.exists())
+    stats = os.statvfs(existing)
+    return "no space left on device" if stats.f_bavail * stats.f_frsize < _NEARLY_FULL else None
 

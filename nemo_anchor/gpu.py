@@ -1,4 +1,4 @@
-"""The one place where the optional GPU kernels (flash-attn, Transformer Engine, torch's varlen) are imported.
+"""The one place where the optional GPU kernels (flash-attn, Transformer Engine, torch's varlen, apex) are imported.
 
 Imports are lazy and cached. They are guarded with ``except Exception`` rather than
 ``ImportError``: a CPU-only transformer-engine raises RuntimeError at import time, and a
@@ -11,6 +11,8 @@ import functools
 import importlib
 from types import ModuleType
 from typing import Any, Callable
+
+import torch
 
 
 @functools.cache
@@ -42,3 +44,22 @@ def torch_varlen_attn() -> tuple[Callable[..., Any] | None, str | None]:
         return None, reason
     kernel = getattr(module, "varlen_attn", None)
     return (kernel, None) if kernel is not None else (None, "torch.nn.attention.varlen has no varlen_attn")
+
+
+def apex_gradient_accumulation() -> tuple[ModuleType | None, str | None]:
+    """apex's ``fused_weight_gradient_mlp_cuda`` extension, or None and why it is unavailable.
+
+    Megatron's own linear layers (the output layer, whatever the layer spec) refuse
+    ``gradient_accumulation_fusion`` without it; NGC's PyTorch and NeMo containers ship it.
+    """
+    return _import("fused_weight_gradient_mlp_cuda")
+
+
+def transformer_engine_kernels() -> bool:
+    """Whether Megatron's Transformer Engine kernels (fused RoPE, fused weight-gradient accumulation) can run."""
+    return torch.cuda.is_available() and transformer_engine_pytorch()[0] is not None
+
+
+def gradient_accumulation_fusion() -> bool:
+    """Whether Megatron's ``gradient_accumulation_fusion`` can run: TE's kernels and apex's extension."""
+    return transformer_engine_kernels() and apex_gradient_accumulation()[0] is not None

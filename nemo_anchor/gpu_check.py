@@ -1,10 +1,10 @@
 """The parts of ``scripts/gpu_check.py`` that need no GPU: layouts, the tolerance rule, work counts, tables.
 
-- :func:`lognormal_documents` and :func:`conformance_cases` plan the packed layouts;
+- :func:`conformance_cases` plans the packed layouts (``attention.layout.lognormal_documents``);
 - :func:`low_precision_attention` is the "plain low-precision PyTorch implementation" of the
   acceptance rule, and :func:`compare` applies the rule (flash-attn's own): a backend's error
   against the fp32 reference may be at most twice that implementation's, plus a small atol;
-- :func:`kept_pairs` and :func:`attention_tflops` count the useful work of a mask;
+- :func:`attention_tflops` rates the useful work of a mask (``PackLayout.kept_pairs``);
 - :func:`markdown_report` and :func:`failure_lines` render a results dict.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nemo_anchor.attention.layout import query_blocks
+from nemo_anchor.attention.layout import lognormal_documents, query_blocks
 from nemo_anchor.attention.reference import dense_mask
 
 ATOL = 1e-3  # relative to max(1, |reference|): the "small atol" of the acceptance rule
@@ -29,16 +29,6 @@ def cuda_unavailable_reason() -> str | None:
         built = torch.version.cuda or "none (a CPU build)"
         return f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {built})"
     return None
-
-
-def lognormal_documents(total: int, seed: int, mean_tokens: float, sigma: float = 1.0) -> tuple[int, ...]:
-    """Document boundaries ``(0, ..., total)``: seeded log-normal lengths of mean ``mean_tokens``, the last cut to fit."""
-    rng = np.random.default_rng(seed)
-    mu = math.log(mean_tokens) - sigma**2 / 2
-    bounds = [0]
-    while bounds[-1] < total:
-        bounds.append(min(total, bounds[-1] + max(1, int(rng.lognormal(mu, sigma)))))
-    return tuple(bounds)
 
 
 @dataclass(frozen=True)
@@ -133,15 +123,6 @@ def compare(name: str, actual: torch.Tensor, baseline: torch.Tensor, reference: 
     bound = 2 * baseline_error + atol
     return {"tensor": name, "error": error, "baseline_error": baseline_error, "bound": bound,
             "ok": bool(math.isfinite(error) and error <= bound)}
-
-
-def kept_pairs(doc_bounds: tuple[int, ...], window_bounds: tuple[int, ...], mode: str) -> int:
-    """The (query, key) pairs the mask keeps over a whole pack (causal, the anchor counted once per query)."""
-    pairs = 0
-    for block in query_blocks(tuple(doc_bounds), tuple(window_bounds), mode, 0, doc_bounds[-1]):
-        n, before = block.end - block.start, block.start - block.key_start
-        pairs += n * (n + 1) // 2 + n * before + n * (block.anchor is not None)
-    return pairs
 
 
 def attention_tflops(pairs: int, heads: int, head_dim: int, seconds: float, backward: bool) -> float:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from nemo_anchor.attention import anchor_attention
-from nemo_anchor.attention.layout import layout_blocks
+from nemo_anchor.attention.layout import layout_blocks, lognormal_documents, pack_layout
 from nemo_anchor.attention.reference import dense_mask
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 
@@ -57,19 +57,8 @@ DENSE_METHODS = ("dense-mask SDPA", "anchor_attention reference")  # O(T^2) memo
 
 
 def document_bounds(tokens: int, docs: int, seed: int) -> torch.Tensor:
-    """int32 cu_seqlens of ``docs`` documents with log-normal lengths summing to ``tokens``."""
-    weights = torch.randn(docs, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).exp()
-    lengths = (weights / weights.sum() * (tokens - docs)).long() + 1  # every document >= 1 token
-    lengths[-1] += tokens - lengths.sum()
-    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
-
-
-def allowed_pairs(cu_seqlens: torch.Tensor, mode: str) -> int:
-    """The number of (query, key) pairs the mask of ``mode`` allows."""
-    tokens = int(cu_seqlens[-1])
-    blocks = layout_blocks(cu_seqlens, None, mode, tokens, 0, tokens)
-    return sum(n * (n + 1) // 2 + n * (b.start - b.key_start + (b.anchor is not None))
-               for b, n in ((b, b.end - b.start) for b in blocks))
+    """int32 cu_seqlens of about ``docs`` documents with log-normal lengths (mean ``tokens / docs``) filling ``tokens``."""
+    return torch.tensor(lognormal_documents(tokens, seed, mean_tokens=tokens / docs), dtype=torch.int32)
 
 
 def method_function(name: str, q, k, v, cu_seqlens):
@@ -184,10 +173,10 @@ def measure_memory(config: dict) -> dict:
 
 def print_table(args, cu_seqlens, results) -> None:
     lengths = cu_seqlens.diff().tolist()
-    full_pairs = allowed_pairs(cu_seqlens, "full")
+    full_pairs = pack_layout(cu_seqlens).kept_pairs("full")
     print(f"\nT={args.tokens} heads={args.heads} kv_heads={args.kv_heads} d={args.head_dim} {args.dtype} "
           f"threads={args.threads} docs={len(lengths)} (lengths {min(lengths)}..{max(lengths)}, seed {args.seed}); "
-          f"anchor mask allows {allowed_pairs(cu_seqlens, 'anchor') / full_pairs:.4f} of the causal pairs")
+          f"anchor mask allows {pack_layout(cu_seqlens).kept_pairs('anchor') / full_pairs:.4f} of the causal pairs")
     header = (f"| {'method':34s} | pass    | {'time ms':>9s} | {'x full causal':>13s} | {'GFLOP/s':>8s} | "
               f"{'FLOP/s x SDPA':>13s} | {'peak MB':>8s} |")
     print(header)
@@ -253,7 +242,7 @@ def timed(function) -> float:
 
 def useful_flops(args, cu_seqlens, name: str, phase: str) -> float:
     """FLOPs on the pairs the method's mask keeps: 4 D per pair and head forward, 3.5x that forward+backward."""
-    pairs = allowed_pairs(cu_seqlens, METHODS[name][0])
+    pairs = pack_layout(cu_seqlens).kept_pairs(METHODS[name][0])
     return 4 * args.head_dim * args.heads * pairs * (3.5 if phase == "fwd+bwd" else 1)
 
 

@@ -91,22 +91,12 @@ def _count_bytes(counter: dict) -> None:
     counting("reduce_scatter_tensor", 1)  # (output, input): the input to be summed
 
 
-def _packed_documents(total: int, window: int, generator: torch.Generator) -> torch.Tensor:
-    """Document boundaries: every window starts a document, lengths drawn around window / 8."""
-    bounds = {0, total}
-    for start in range(0, total, window):
-        position = start
-        while position < start + window:
-            bounds.add(position)
-            position += int(torch.randint(1, window // 4, (1,), generator=generator))
-    return torch.tensor(sorted(bounds), dtype=torch.int32)
-
-
 def _worker(spec: dict) -> None:
     import torch.distributed as dist
 
     from nemo_anchor.attention import anchor_attention
     from nemo_anchor.parallel.context_parallel import context_parallel_attention
+    from nemo_anchor.attention.layout import lognormal_documents
     from nemo_anchor.parallel.load_balance import rank_positions
 
     dist.init_process_group("gloo")
@@ -116,7 +106,8 @@ def _worker(spec: dict) -> None:
     _count_bytes(counter)
     dtype, total = DTYPES[spec["dtype"]], spec["window"] * spec["windows"]
     g = torch.Generator().manual_seed(0)
-    docs = _packed_documents(total, spec["window"], g)
+    docs = torch.tensor(lognormal_documents(total, seed=0, mean_tokens=spec["window"] / 8, window=spec["window"]),
+                        dtype=torch.int32)
     windows = torch.arange(0, total + 1, spec["window"], dtype=torch.int32)
     positions = rank_positions(tuple(windows.tolist()), cp, rank)
     full = {name: torch.randn(total, heads, spec["head_dim"], generator=g).to(dtype)

@@ -54,7 +54,7 @@ def worker(args) -> None:
         times.append(time.perf_counter() - start)
     measured = state_bytes(engine)
     planned = planned_state_bytes(model, VOCAB, Layout(ctx.world_size, tensor=args.tensor), bf16=args.precision == "bf16",
-                                  distributed_optimizer=True)[ctx.data_parallel_rank]
+                                  distributed_optimizer=True)  # the busiest rank
     print("ROW " + json.dumps({"rank": ctx.rank, "measured": [measured.weights, measured.gradients, measured.optimizer],
                                "planned": [planned.weights, planned.gradients, planned.optimizer],
                                "step_s": min(times[1:])}), flush=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -31,20 +32,10 @@ import time
 KINDS = ("full", "intra_doc", "intra_doc_reset", "anchor")
 
 
-def document_boundaries(length: int, seed: int, mean_tokens: float = 600.0):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    sizes = []
-    while sum(sizes) < length:
-        sizes.append(max(1, int(rng.lognormal(np.log(mean_tokens), 1.0))))
-    sizes[-1] -= sum(sizes) - length
-    return np.concatenate([[0], np.cumsum([s for s in sizes if s > 0])]).astype("int32")
-
-
 def worker(args) -> dict:
     import torch
 
+    from nemo_anchor.attention.layout import lognormal_documents
     from nemo_anchor.model.config import ModelConfig
     from nemo_anchor.parallel.distributed import initialize_parallel
     from nemo_anchor.training.config import RunConfig, TrainerConfig
@@ -67,10 +58,11 @@ def worker(args) -> dict:
     config = RunConfig(model=model, trainer=TrainerConfig(precision=args.precision, global_batch_size=1,
                                                           micro_batch_size=1))
     engine = build_engine(config, initialize_parallel(), vocab)  # the trainer's own engine: DDP + Megatron AdamW
+    documents = lognormal_documents(T, seed=0, mean_tokens=600 * math.exp(0.5))  # median 600 tokens
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, T), generator=g)
     batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T), position_ids=torch.arange(T)[None],
-                 cu_seqlens=torch.from_numpy(document_boundaries(T, seed=0)),
+                 cu_seqlens=torch.tensor(documents, dtype=torch.int32),
                  cu_windows=torch.tensor([0, T], dtype=torch.int32))
     times = []
     for _ in range(args.warmup + args.steps):

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from nemo_anchor import gpu_check as check
+from nemo_anchor.attention.layout import PackLayout, lognormal_documents
 from nemo_anchor.atomic import atomic_file
 
 BACKENDS = ("torch_varlen", "flex", "flash", "te", "reference")
@@ -165,7 +166,7 @@ def speed(quick: bool, device, mean_doc: int) -> list[dict]:
     warmup, repeats = (2, 3) if quick else (3, 10)
     rows = []
     for tokens in ((8192, 32768) if quick else (8192, 32768, 131072)):
-        docs = check.lognormal_documents(tokens, seed=tokens, mean_tokens=mean_doc)
+        docs = lognormal_documents(tokens, seed=tokens, mean_tokens=mean_doc)
         g = torch.Generator(device="cpu").manual_seed(0)
         q = torch.randn(tokens, heads, head_dim, generator=g).to(device, dtype).requires_grad_()
         k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
@@ -190,8 +191,7 @@ def speed(quick: bool, device, mean_doc: int) -> list[dict]:
             if isinstance(fn, str):
                 rows.append({**row, "status": f"skipped: {fn}"})
                 continue
-            pairs = check.kept_pairs((0, tokens), (0, tokens), "full") if mode == "full" else \
-                check.kept_pairs(docs, (0, tokens), mode)
+            pairs = PackLayout.of(docs).kept_pairs(mode)
             try:
                 torch._dynamo.reset()  # a fresh compile budget for flex at this shape
                 with torch.no_grad():
@@ -223,7 +223,7 @@ def _training_batch(tokens: int, vocab: int, mean_doc: int, seed: int) -> dict:
     """One packed window of learnable documents: BOS, then a walk along a fixed random permutation
     of the vocabulary (90% of steps) with random jumps, so the loss can fall within a few steps."""
     g = torch.Generator().manual_seed(seed)
-    docs = check.lognormal_documents(tokens, seed, mean_tokens=mean_doc)
+    docs = lognormal_documents(tokens, seed, mean_tokens=mean_doc)
     successor = torch.randperm(vocab - 1, generator=g) + 1
     ids = torch.empty(tokens, dtype=torch.long)
     for start, end in zip(docs, docs[1:]):
@@ -240,11 +240,9 @@ def _training_batch(tokens: int, vocab: int, mean_doc: int, seed: int) -> dict:
 
 def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, mean_doc: int) -> dict:
     """``steps`` optimizer steps on one window through build_engine/train_step; this rank's numbers."""
-    from megatron.core import parallel_state
-
     from nemo_anchor.attention.functional import _select_backend
     from nemo_anchor.model.config import ModelConfig
-    from nemo_anchor.parallel.context_parallel import shard_batch
+    from nemo_anchor.parallel.context_parallel import batch_for_this_rank
     from nemo_anchor.parallel.distributed import initialize_parallel
     from nemo_anchor.training.config import OptimConfig, RunConfig, TrainerConfig
     from nemo_anchor.training.engine import build_engine, train_step
@@ -259,10 +257,7 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
         optim=OptimConfig(lr=1e-3, warmup_steps=0)).validate()
     ctx = initialize_parallel(context_parallel_size=context_parallel)
     engine = build_engine(config, ctx, vocab)
-    batch = _training_batch(tokens, vocab, mean_doc, seed=0)
-    if context_parallel > 1:
-        batch = shard_batch(batch, parallel_state.get_context_parallel_group(), attention_type)
-    batch = {key: value.to(ctx.device) for key, value in batch.items()}
+    batch = batch_for_this_rank(_training_batch(tokens, vocab, mean_doc, seed=0), attention_type, ctx.device)
     probe = torch.zeros(1, 8, 64, dtype=torch.bfloat16, device=ctx.device)
     backend = _select_backend(config.model.attention_backend, probe, True).__name__.rsplit(".", 1)[-1]
     torch.cuda.reset_peak_memory_stats()

@@ -233,3 +233,40 @@ def test_smollm2_config_loads(tmp_path, corpus):
     assert (config.model.num_layers, config.model.hidden_size, config.trainer.precision) == (30, 576, "bf16")
     assert config.checkpoint.keep_last >= config.eval.last_k
     assert yaml.safe_load((REPO / "configs" / "ablation" / "smollm2.yaml").read_text())["pack"]["tokenizer"]
+
+
+def test_an_interruption_after_a_scheduled_checkpoint_keeps_what_averaging_needs(tmp_path, corpus, monkeypatch):
+    """N-AB10: the signal checkpoint of step 3 must not push out step 2 (save_every=2, keep_last=2, last_k=2)."""
+    output = tmp_path / "out"
+    extra = ["eval.tasks=[]", "eval.probe_sequences=0"]
+    original_step = loop.Trainer.train_step
+
+    def interrupting_step(self):
+        record = original_step(self)
+        if self.step == 3 and not self.resumed_from:
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    monkeypatch.setattr(loop.Trainer, "train_step", interrupting_step)
+    assert ablate(output, corpus, ["anchor"], *extra) == EXIT_INTERRUPTED
+    run = RunDir(output / "variants" / "anchor" / "train")
+    assert [checkpoint_step(p) for p in run.list_checkpoints()] == [2, 3]
+    assert ablate(output, corpus, ["anchor"], *extra) == 0  # resumes from 3, saves 4, averages 2 and 4
+    assert [checkpoint_step(p) for p in run.list_checkpoints()] == [2, 4]  # the signal's checkpoint is gone
+    assert _report(output)["checkpoint_steps"] == [2, 4]
+
+
+def test_overrides_may_follow_eval_lengths_as_the_usage_line_orders_them(tmp_path, corpus, capsys):
+    """N-AB06: '--eval-lengths L ... key=value' no longer reads the override as a length."""
+    output = tmp_path / "out"
+    assert cli(["ablate", "--config", str(CONFIG), "--output", str(output), "--variants", "anchor",
+                "--print-launches", "--eval-lengths", "512", "768",
+                f"pack.inputs=[{corpus}]", "trainer.max_steps=6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    config = load_config(next(line for line in lines if line.startswith("torchrun ")).split("--config ")[1])
+    assert config.trainer.max_steps == 6
+    evaluate = next(line for line in lines if line.startswith("nemo-anchor ablate --config"))
+    assert "--eval-lengths 512 768" in evaluate and evaluate.endswith(f"'pack.inputs=[{corpus}]' trainer.max_steps=6")
+    with pytest.raises(SystemExit):
+        cli(["ablate", "--config", str(CONFIG), "--output", str(output), "--eval-lengths", "5x2"])
+    assert "argument --eval-lengths: invalid int value: '5x2'" in capsys.readouterr().err

@@ -17,9 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_anchor import gpu
-from nemo_anchor.attention import MODES, anchor_attention, flash, te
+from nemo_anchor.attention import anchor_attention, flash, te
 from nemo_anchor.attention.layout import layout_blocks, varlen_plan
 from nemo_anchor.attention.reference import dense_mask
+
+from layout_strategies import packed_layouts  # tests/layout_strategies.py
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -68,19 +70,10 @@ class Problem:
 
 
 @st.composite
-def problems(draw, max_docs: int = 7, max_doc_len: int = 12, whole_sequence: bool = False) -> Problem:
-    lengths = draw(st.lists(st.integers(1, max_doc_len), min_size=1, max_size=max_docs))
-    doc_bounds = [0]
-    for n in lengths:
-        doc_bounds.append(doc_bounds[-1] + n)
-    total = doc_bounds[-1]
-    windows = [0] + [b for b in doc_bounds[1:-1] if draw(st.booleans())] + [total]
-    q_offset, q_len = 0, total
-    if not whole_sequence and draw(st.booleans()):
-        q_offset = draw(st.integers(0, total - 1))
-        q_len = draw(st.integers(1, total - q_offset))
+def problems(draw) -> Problem:
+    doc_bounds, windows, mode, q_offset, q_len = draw(packed_layouts())
     return Problem(
-        tuple(doc_bounds), tuple(windows), draw(st.sampled_from(MODES)),
+        doc_bounds, windows, mode,
         kv_heads=draw(st.sampled_from([1, 2])), group=draw(st.sampled_from([1, 3])),
         head_dim=draw(st.sampled_from([1, 5, 16, 33])),
         q_offset=q_offset, q_len=q_len, seed=draw(st.integers(0, 2**16)),

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
-from nemo_anchor.attention import MODES, BackendUnavailableError, anchor_attention, flex
+from nemo_anchor.attention import BackendUnavailableError, anchor_attention, flex
 from nemo_anchor.attention.layout import layout_blocks
+
+from layout_strategies import packed_layouts  # tests/layout_strategies.py
 
 CPU = torch.device("cpu")
 
@@ -24,20 +25,8 @@ def tiles(mask) -> tuple[torch.Tensor, torch.Tensor]:
     return dense(mask.kv_num_blocks, mask.kv_indices), dense(mask.full_kv_num_blocks, mask.full_kv_indices)
 
 
-@st.composite
-def layouts(draw):
-    lengths = draw(st.lists(st.integers(1, 150), min_size=1, max_size=6))
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    windows = [0] + [b for b in bounds[1:-1] if draw(st.booleans())] + [bounds[-1]]
-    q_offset = draw(st.integers(0, bounds[-1] - 1))
-    q_len = draw(st.integers(1, bounds[-1] - q_offset))
-    return bounds, windows, draw(st.sampled_from(MODES)), q_offset, q_len
-
-
 @settings(max_examples=40, deadline=None)
-@given(layouts())
+@given(packed_layouts(max_docs=6, max_doc_len=150))
 def test_block_mask_has_the_tiles_create_block_mask_finds(layout):
     bounds, windows, mode, q_offset, q_len = layout
     blocks = layout_blocks(torch.tensor(bounds), torch.tensor(windows), mode, bounds[-1], q_offset, q_len)

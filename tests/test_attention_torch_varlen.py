@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 from torch.nn.attention.bias import causal_lower_right
 
 from nemo_anchor import gpu
-from nemo_anchor.attention import MODES, BackendUnavailableError, anchor_attention, functional, torch_varlen
+from nemo_anchor.attention import BackendUnavailableError, anchor_attention, functional, torch_varlen
 from nemo_anchor.attention.layout import layout_blocks, varlen_plan
 from nemo_anchor.attention.reference import dense_mask
+
+from layout_strategies import packed_layouts  # tests/layout_strategies.py
 
 CPU = torch.device("cpu")
 
@@ -129,21 +131,6 @@ def test_standin_refuses_grouped_heads_without_enable_gqa_like_torch():
 
 # --- the plan: what the kernel is given implies the reference's mask --------------------------
 
-@st.composite
-def layouts(draw, max_docs: int = 7, max_doc_len: int = 12):
-    lengths = draw(st.lists(st.integers(1, max_doc_len), min_size=1, max_size=max_docs))
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    total = bounds[-1]
-    windows = [0] + [b for b in bounds[1:-1] if draw(st.booleans())] + [total]
-    q_offset, q_len = 0, total
-    if draw(st.booleans()):  # the query rows of a context-parallel chunk
-        q_offset = draw(st.integers(0, total - 1))
-        q_len = draw(st.integers(1, total - q_offset))
-    return bounds, windows, draw(st.sampled_from(MODES)), q_offset, q_len
-
-
 def implied_mask(plan, q_len: int, total: int) -> torch.Tensor:
     """``[Tq, T]`` int: how often query row i is given key position j by the plan under bottom-right causal."""
     rows = torch.arange(total)[plan.kv_rows] if isinstance(plan.kv_rows, slice) else plan.kv_rows
@@ -157,7 +144,7 @@ def implied_mask(plan, q_len: int, total: int) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(layouts())
+@given(packed_layouts())
 def test_plan_gives_each_query_exactly_its_reference_keys(layout):
     bounds, windows, mode, q_offset, q_len = layout
     total = bounds[-1]
@@ -211,7 +198,7 @@ def assert_matches(actual, expected, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(layout=layouts(), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 4]),
+@given(layout=packed_layouts(), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 4]),
        head_dim=st.sampled_from([8, 16]), seed=st.integers(0, 2**16))
 def test_torch_varlen_matches_reference(standin, dtype, layout, kv_heads, group, head_dim, seed):
     args = (*layout, kv_heads, group, head_dim, dtype)

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 
-from nemo_anchor.attention.layout import layout_blocks
+from nemo_anchor.attention.layout import layout_blocks, pack_layout
 from nemo_anchor.attention.reference import dense_mask
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from bench_attention import allowed_pairs, document_bounds  # noqa: E402
+from bench_attention import document_bounds  # noqa: E402
 
 
 def _run(script: str, *args: str) -> str:
@@ -33,12 +33,12 @@ def _table_rows(text: str) -> list[list[str]]:
             if line.startswith("|") and not set(line) <= set("|- ")]
 
 
-def test_allowed_pairs_match_the_dense_mask():
+def test_kept_pairs_of_the_benchmark_layout_match_the_dense_mask():
     cu_seqlens = document_bounds(300, 7, seed=3)
     for mode in ("full", "intra_doc", "anchor"):
         blocks = layout_blocks(cu_seqlens, None, mode, 300, 0, 300)
         expected = int(dense_mask(blocks, 0, 300, torch.device("cpu")).sum())
-        assert allowed_pairs(cu_seqlens, mode) == expected, mode
+        assert pack_layout(cu_seqlens).kept_pairs(mode) == expected, mode
 
 
 def test_bench_attention_prints_rates_from_its_times():
@@ -50,7 +50,7 @@ def test_bench_attention_prints_rates_from_its_times():
     assert set(rows) == {(m, p) for m in ("full causal SDPA", "anchor_attention cpu") for p in ("forward", "fwd+bwd")}
     cu_seqlens = document_bounds(tokens, 8, seed=0)
     for (method, phase), (_, _, ms, _, gflops, _, _) in rows.items():
-        pairs = allowed_pairs(cu_seqlens, "full" if method.startswith("full") else "anchor")
+        pairs = pack_layout(cu_seqlens).kept_pairs("full" if method.startswith("full") else "anchor")
         flops = 4 * head_dim * heads * pairs * (3.5 if phase == "fwd+bwd" else 1)
         rate = flops / (float(ms) / 1e3) / 1e9
         assert abs(rate - float(gflops)) <= 0.05 + rate * 0.05 / float(ms)  # both printed rounded to 0.1

@@ -4,10 +4,10 @@ import random
 import pytest
 import torch
 
-from nemo_anchor.attention.layout import MODES, query_blocks
+from nemo_anchor.attention.layout import MODES, pack_layout, query_blocks
 from nemo_anchor.attention.reference import dense_mask
 from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.model.flops import kept_pairs, train_step_flops
+from nemo_anchor.model.flops import train_step_flops
 
 
 def _random_layout(rng: random.Random, total: int) -> tuple[int, ...]:
@@ -22,7 +22,7 @@ def test_kept_pairs_match_the_dense_mask(mode):
         total = rng.randint(1, 90)
         bounds = _random_layout(rng, total)
         mask = dense_mask(query_blocks(bounds, (0, total), mode, 0, total), 0, total, torch.device("cpu"))
-        assert kept_pairs(torch.tensor(bounds, dtype=torch.int32), mode) == int(mask.sum())
+        assert pack_layout(torch.tensor(bounds, dtype=torch.int32)).kept_pairs(mode) == int(mask.sum())
 
 
 def _tiny(**overrides):
@@ -45,7 +45,7 @@ def test_hand_count_on_a_tiny_model():
         layer = tokens * (qkv + out + mlp) + pairs[mode] * 4 * hq * d
         expected = 3 * (2 * layer + tokens * logits)
         assert train_step_flops(_tiny(attention_type=kind), vocab, [window]) == expected
-        assert kept_pairs(window, mode) == pairs[mode]
+        assert pack_layout(window).kept_pairs(mode) == pairs[mode]
     # two windows count twice; recomputation adds forward work
     base = train_step_flops(_tiny(), vocab, [window])
     assert train_step_flops(_tiny(), vocab, [window, window]) == 2 * base

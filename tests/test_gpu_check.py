@@ -10,23 +10,24 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from nemo_anchor import gpu_check as check
 from nemo_anchor.attention import MODES, anchor_attention
-from nemo_anchor.attention.layout import layout_blocks
+from nemo_anchor.attention.layout import PackLayout, layout_blocks, lognormal_documents
 from nemo_anchor.attention.reference import dense_mask
+
+from layout_strategies import packed_layouts  # tests/layout_strategies.py
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
 
 def test_lognormal_documents_tile_the_window_reproducibly():
-    bounds = check.lognormal_documents(32768, seed=3, mean_tokens=1024)
+    bounds = lognormal_documents(32768, seed=3, mean_tokens=1024)
     assert bounds[0] == 0 and bounds[-1] == 32768
     assert all(b > a for a, b in zip(bounds, bounds[1:]))
-    assert bounds == check.lognormal_documents(32768, seed=3, mean_tokens=1024)
-    assert bounds != check.lognormal_documents(32768, seed=4, mean_tokens=1024)
+    assert bounds == lognormal_documents(32768, seed=3, mean_tokens=1024)
+    assert bounds != lognormal_documents(32768, seed=4, mean_tokens=1024)
     assert 8 <= len(bounds) - 1 <= 128  # about 32 documents of mean 1024
 
 
@@ -43,26 +44,16 @@ def test_conformance_cases_cover_what_the_issue_lists():
         layout_blocks(torch.tensor(c.doc_bounds), torch.tensor(c.window_bounds), c.mode, c.total, c.q_offset, c.q_len)
 
 
-@st.composite
-def layouts(draw):
-    lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=8))
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    windows = [0] + [b for b in bounds[1:-1] if draw(st.booleans())] + [bounds[-1]]
-    return tuple(bounds), tuple(windows), draw(st.sampled_from(MODES))
-
-
 @settings(max_examples=50, deadline=None)
-@given(layouts())
+@given(packed_layouts(max_docs=8, max_doc_len=40, query_range=False))
 def test_kept_pairs_count_the_reference_mask(layout):
-    bounds, windows, mode = layout
+    bounds, windows, mode, _, _ = layout
     blocks = layout_blocks(torch.tensor(bounds), torch.tensor(windows), mode, bounds[-1], 0, bounds[-1])
-    assert check.kept_pairs(bounds, windows, mode) == int(dense_mask(blocks, 0, bounds[-1], CPU).sum())
+    assert PackLayout.of(bounds, windows).kept_pairs(mode) == int(dense_mask(blocks, 0, bounds[-1], CPU).sum())
 
 
 def test_kept_pairs_of_full_causal_and_the_tflops_arithmetic():
-    assert check.kept_pairs((0, 8192), (0, 8192), "full") == 8192 * 8193 // 2
+    assert PackLayout.of((0, 8192)).kept_pairs("full") == 8192 * 8193 // 2
     # 4 flops per pair, head and head_dim unit forward; 3.5x that forward+backward
     assert check.attention_tflops(10**9, heads=2, head_dim=128, seconds=0.5, backward=False) == pytest.approx(2.048)
     assert check.attention_tflops(10**9, heads=2, head_dim=128, seconds=0.5, backward=True) == pytest.approx(2.048 * 3.5)

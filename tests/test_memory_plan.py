@@ -58,9 +58,10 @@ def test_planned_weight_gradient_and_optimizer_bytes_are_exact(tmp_path, process
                                   distributed_optimizer=True)
     measured = _measure(tmp_path, processes, precision, tensor)
     assert len(measured) == processes
-    for _, data_rank, weights, gradients, optimizer in measured:
-        assert (weights, gradients, optimizer) == (planned[data_rank].weights, planned[data_rank].gradients,
-                                                   planned[data_rank].optimizer)
+    for _, _, weights, gradients, optimizer in measured:
+        assert (weights, gradients) == (planned.weights, planned.gradients)
+        assert optimizer <= planned.optimizer
+    assert max(row[4] for row in measured) == planned.optimizer  # the busiest rank, exactly
     if layout.data == 2:  # the distributed optimizer splits the state in halves
         assert abs(measured[0][4] - measured[1][4]) <= 0.05 * measured[0][4]
 
@@ -112,10 +113,10 @@ def test_plan_exit_status_names_the_fix(tmp_path, capsys):
                 f"model.recompute_num_layers={suggested}"]) == 0
 
 
-def test_plan_rejects_a_layout_that_does_not_divide_the_gpus(tmp_path):
-    with pytest.raises(ValueError, match="--gpus 6 is not a multiple of tensor x pipeline x context parallel size"):
-        cli(["plan", "--config", str(REPO / "configs" / "paper" / "llama2-7b-128k.yaml"), "--gpus", "6",
-             "--gpu-memory", "80"])
+def test_plan_rejects_a_layout_that_does_not_divide_the_gpus(capsys):
+    assert cli(["plan", "--config", str(REPO / "configs" / "paper" / "llama2-7b-128k.yaml"), "--gpus", "6",
+                "--gpu-memory", "80"]) == 2
+    assert "error: --gpus 6 is not a multiple of tensor x pipeline x context parallel size" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "paper").glob("*.yaml")), ids=lambda p: p.name)

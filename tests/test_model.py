@@ -213,3 +213,58 @@ def test_rope_in_fp32_rotates_in_fp32():
     err16 = (in_bf16.float() - exact).abs().mean()
     assert err32 < err16
 
+
+
+def test_layout_is_read_once_per_micro_batch_and_shared_by_every_layer(monkeypatch):
+    """The boundaries go to the host when the packed-seq params are made, never inside a layer: every
+    layer's core attention gets the micro-batch's layout, whose query blocks and CPU kernel buckets
+    are built once, through forward and backward of a 3-layer model with full recompute."""
+    from nemo_anchor.attention import cpu, layout as layout_module
+    from nemo_anchor.model import core_attention
+
+    calls = {"boundaries": 0, "query_blocks": 0}
+    seen_layouts = []
+
+    def counting(name, function):
+        def spy(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return spy
+
+    def recording_attention(*args, layout=None, **kwargs):
+        seen_layouts.append(layout)
+        return anchor_attention(*args, layout=layout, **kwargs)
+
+    anchor_attention = core_attention.anchor_attention
+    monkeypatch.setattr(layout_module, "boundaries", counting("boundaries", layout_module.boundaries))
+    monkeypatch.setattr(layout_module, "query_blocks", counting("query_blocks", layout_module.query_blocks))
+    monkeypatch.setattr(core_attention, "anchor_attention", recording_attention)
+    model = _model(_cfg(num_layers=3, recompute="full"))
+    cpu._buckets.cache_clear()
+    micro_batches = [_batch([0, 5, 20, 32, 40, 64], windows=2), _batch([0, 9, 32, 33, 50, 64], windows=2)]
+    for number, batch in enumerate(micro_batches, start=1):
+        b, t = batch["tokens"].shape
+        misses = cpu._buckets.cache_info().misses
+        params = make_packed_seq_params(batch["cu_seqlens"], batch["cu_windows"], "anchor")
+        assert calls == {"boundaries": 2 * number, "query_blocks": number - 1}  # documents and windows, read here
+        model(input_ids=batch["tokens"].reshape(1, b * t), position_ids=batch["position_ids"].reshape(1, b * t),
+              attention_mask=None, labels=batch["labels"].reshape(1, b * t), packed_seq_params=params).sum().backward()
+        assert calls == {"boundaries": 2 * number, "query_blocks": number}
+        assert cpu._buckets.cache_info().misses == misses + 1
+        assert len(seen_layouts) == 6 * number  # 3 layers, run again by the recompute in backward
+        assert all(layout is params.layout for layout in seen_layouts[-6:])
+
+
+def test_plain_packed_seq_params_make_every_segment_its_own_window():
+    """NeMo's own packed path passes Megatron's PackedSeqParams: each cu_seqlens segment is a sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = _model(_cfg())
+    batch = _batch([0, 12, 32])
+    segments = batch["cu_seqlens"]
+    plain = PackedSeqParams(qkv_format="thd", cu_seqlens_q=segments, cu_seqlens_kv=segments, max_seqlen_q=20,
+                            max_seqlen_kv=20)
+    inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                  labels=batch["labels"])
+    torch.testing.assert_close(model(**inputs, packed_seq_params=plain),
+                               model(**inputs, packed_seq_params=make_packed_seq_params(segments, segments, "anchor")))

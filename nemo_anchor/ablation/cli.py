@@ -23,7 +23,8 @@ def register(subparsers) -> None:
                         help="comma-separated ATTENTION_TYPE[+tag|+interleave]; the first is the reference "
                              f"(default: {','.join(MAIN_VARIANTS)})")
     parser.add_argument("--output", type=Path, required=True, help="the ablation directory")
-    parser.add_argument("--eval-lengths", type=int, nargs="+", help="RULER lengths (overrides eval.lengths)")
+    parser.add_argument("--eval-lengths", nargs="+", action=_LengthsThenOverrides, metavar="L",
+                        help="RULER lengths (overrides eval.lengths)")
     parser.add_argument("--last-k", type=int, help="checkpoints averaged over (overrides eval.last_k)")
     parser.add_argument("--print-launches", action="store_true",
                         help="prepare data and configs, print one torchrun command per variant, train nothing")
@@ -31,7 +32,21 @@ def register(subparsers) -> None:
     parser.add_argument("--nnodes", type=int, default=1, help="for --print-launches (default 1)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="OmegaConf dotlist overrides, e.g. trainer.max_steps=100 pack.inputs=[a.jsonl]")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, overrides_after_lengths=[])
+
+
+class _LengthsThenOverrides(argparse.Action):
+    """``--eval-lengths L ...`` as integers; argparse's ``nargs="+"`` also takes the ``key=value``
+    overrides that follow them (the usage line's order), which go back to the overrides."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        first = next((i for i, value in enumerate(values) if "=" in value), len(values))
+        lengths, overrides = values[:first], values[first:]
+        for value in lengths:
+            if not value.lstrip("-").isdigit():
+                parser.error(f"argument {option_string}: invalid int value: {value!r}")
+        setattr(namespace, self.dest, [int(value) for value in lengths])
+        namespace.overrides_after_lengths = overrides
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from nemo_anchor.ablation.runner import launch_commands, prepare, run_ablation
     from nemo_anchor.ablation.variants import parse_variants
 
+    args.overrides = [*args.overrides, *args.overrides_after_lengths]
     variants = parse_variants(args.variants)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ValueError(f"--nproc-per-node={args.nproc_per_node} and --nnodes={args.nnodes} must be >= 1")

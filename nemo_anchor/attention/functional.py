@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from nemo_anchor.attention.layout import MODES, layout_blocks
+from nemo_anchor.attention.layout import MODES, PackLayout, pack_layout
 
 # each backend is the module nemo_anchor.attention.<name>, imported on first use, with
 # `unavailable_reason(q, needs_grad) -> str | None` and `attention(q, k, v, blocks, q_offset, scale)`
@@ -25,9 +25,10 @@ def anchor_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
     *,
     cu_windows: torch.Tensor | None = None,
+    layout: PackLayout | None = None,
     mode: str = "anchor",
     backend: str = "auto",
     softmax_scale: float | None = None,
@@ -45,6 +46,8 @@ def anchor_attention(
         cu_windows: ``(num_windows + 1,)`` integer tensor, the window boundaries, each also in
             ``cu_seqlens``. None means one window ``[0, T]``. The *anchor* of a window is its
             first token (BOS, position id 0).
+        layout: instead of ``cu_seqlens``/``cu_windows``, the pack's :class:`~nemo_anchor.attention.layout.PackLayout`
+            (``pack_layout(cu_seqlens, cu_windows)``), read once and shared by every layer.
         mode: which keys the query at packed position p sees (causal, key position <= p):
             ``"full"``: every key of its window;
             ``"intra_doc"``: the keys of its document (with reset position ids this is the
@@ -72,8 +75,9 @@ def anchor_attention(
     Returns:
         ``(Tq, Hq, D)`` in the input dtype; differentiable in q, k and v (flex: not on the CPU).
 
-    The boundaries are read on the host (one device sync per call); what a backend derives from
-    them (block lists, varlen cu_seqlens, FlexAttention block masks) is cached per layout, so the
+    Tensor boundaries are read on the host (one device sync per call); a ``layout`` is read once,
+    when it is built, so layers that share it never sync. What a backend derives from the layout
+    (block lists, varlen cu_seqlens, FlexAttention block masks) is cached per layout, so the
     layers of one step share it.
 
     Raises:
@@ -90,7 +94,15 @@ def anchor_attention(
         softmax_scale = q.shape[-1] ** -0.5
     elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    blocks = layout_blocks(cu_seqlens, cu_windows, mode, k.shape[0], q_offset, q.shape[0])
+    if layout is None:
+        if cu_seqlens is None:
+            raise ValueError("pass the document boundaries: cu_seqlens (and cu_windows) or layout")
+        layout = pack_layout(cu_seqlens, cu_windows, k.shape[0])
+    elif cu_seqlens is not None or cu_windows is not None:
+        raise ValueError("pass either cu_seqlens/cu_windows or layout, not both")
+    elif layout.total != k.shape[0]:
+        raise ValueError(f"the layout covers T={layout.total} tokens, but k and v hold {k.shape[0]}")
+    blocks = layout.blocks(mode, q_offset, q.shape[0])
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     implementation = _select_backend(backend, q, needs_grad)
     return implementation.attention(q, k, v, blocks, q_offset, float(softmax_scale))

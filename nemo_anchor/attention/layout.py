@@ -14,12 +14,20 @@ query of the block. This happens when the queries are only the positions
 ``[q_offset, q_offset + Tq)`` of the keys' sequence (context parallelism: each block keeps its
 rows inside that range), and when a window's first document is the anchor alone (the anchor
 and the next document's keys are then one interval).
+
+A :class:`PackLayout` holds the boundaries of one pack, read from their tensors once (on a GPU a
+host sync) and validated; the model builds it once per micro-batch and every layer reuses it and
+the query blocks it derives, so no layer reads the boundaries again. What the backends derive
+from the blocks goes to the device with ``non_blocking=True`` (CUDA stages pageable memory at once,
+where a blocking copy would wait for the stream), so deriving it does not sync either.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 MODES = ("full", "intra_doc", "anchor")
@@ -37,12 +45,15 @@ class QueryBlock:
     anchor: int | None
 
 
-def boundaries(cu: torch.Tensor, total: int, name: str) -> tuple[int, ...]:
-    """The values of a ``cu_seqlens``-style tensor, checked to run strictly upwards from 0 to ``total``."""
+def boundaries(cu: torch.Tensor, total: int | None, name: str) -> tuple[int, ...]:
+    """The values of a ``cu_seqlens``-style tensor, checked to run strictly upwards from 0 to ``total``
+    (to its own last value when ``total`` is None)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in _INTEGER_DTYPES:
         described = f"shape {tuple(cu.shape)} dtype {cu.dtype}" if isinstance(cu, torch.Tensor) else type(cu).__name__
         raise ValueError(f"{name} must be a 1-D integer tensor (int32), got {described}")
     values = tuple(cu.tolist())
+    if total is None and values:
+        total = values[-1]
     if len(values) < 2 or values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name} must run from 0 to T={total}, got {list(values[:3])}...{list(values[-2:])}")
     for i in range(len(values) - 1):
@@ -53,16 +64,80 @@ def boundaries(cu: torch.Tensor, total: int, name: str) -> tuple[int, ...]:
     return values
 
 
+@dataclass(frozen=True, eq=False)
+class PackLayout:
+    """The document and window boundaries of a pack of ``total`` tokens, validated, as host integers.
+
+    Build it with :func:`pack_layout` (from tensors) or :meth:`of` (from integers), once per
+    micro-batch, and pass it to ``anchor_attention(layout=...)`` in every layer: the query blocks
+    of each (mode, query range) are derived on first use and kept here.
+    """
+
+    doc_bounds: tuple[int, ...]
+    window_bounds: tuple[int, ...]
+    _blocks: dict = field(default_factory=dict, init=False, repr=False)
+
+    @classmethod
+    def of(cls, doc_bounds: tuple[int, ...], window_bounds: tuple[int, ...] | None = None) -> "PackLayout":
+        """A layout from increasing integer boundaries (``window_bounds`` None: one window)."""
+        window_bounds = (0, doc_bounds[-1]) if window_bounds is None else tuple(window_bounds)
+        stray = sorted(set(window_bounds) - set(doc_bounds))
+        if stray:
+            raise ValueError(f"cu_windows must be a subset of cu_seqlens; window boundaries {stray[:5]} are not "
+                             f"document boundaries")
+        return cls(tuple(doc_bounds), window_bounds)
+
+    @property
+    def total(self) -> int:
+        return self.doc_bounds[-1]
+
+    def blocks(self, mode: str, q_offset: int = 0, q_len: int | None = None) -> tuple[QueryBlock, ...]:
+        """The query blocks of queries ``[q_offset, q_offset + q_len)`` (default: to the end) under ``mode``."""
+        key = (mode, q_offset, self.total - q_offset if q_len is None else q_len)
+        if key not in self._blocks:
+            self._blocks[key] = query_blocks(self.doc_bounds, self.window_bounds, *key)
+        return self._blocks[key]
+
+    def kept_pairs(self, mode: str) -> int:
+        """The (query, key) pairs the mask of ``mode`` keeps over the whole pack: the useful work of
+        attention. Each query sees the keys from its block's ``key_start`` up to itself and the
+        block's anchor."""
+        pairs = 0
+        for block in self.blocks(mode):
+            n, before = block.end - block.start, block.start - block.key_start
+            pairs += n * (n + 1) // 2 + n * before + n * (block.anchor is not None)
+        return pairs
+
+
+def pack_layout(cu_seqlens: torch.Tensor, cu_windows: torch.Tensor | None = None, total: int | None = None) -> PackLayout:
+    """Read and validate the boundaries of a pack of ``total`` tokens (default: where ``cu_seqlens`` ends).
+
+    The one place the boundaries go to the host: call it once per micro-batch, not per layer.
+    """
+    doc_bounds = boundaries(cu_seqlens, total, "cu_seqlens")
+    window_bounds = None if cu_windows is None else boundaries(cu_windows, doc_bounds[-1], "cu_windows")
+    return PackLayout.of(doc_bounds, window_bounds)
+
+
+def lognormal_documents(total: int, seed: int, mean_tokens: float, sigma: float = 1.0,
+                        window: int | None = None) -> tuple[int, ...]:
+    """Document boundaries ``(0, ..., total)`` of a synthetic pack, for checks and benchmarks: seeded
+    log-normal lengths of mean ``mean_tokens`` (as real corpora have), every ``window`` tokens a new
+    window whose first document starts there (default: one window); a window's last document is cut to fit."""
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean_tokens) - sigma**2 / 2
+    bounds = [0]
+    for window_end in range(window or total, total + 1, window or total):
+        while bounds[-1] < window_end:
+            bounds.append(min(window_end, bounds[-1] + max(1, int(rng.lognormal(mu, sigma)))))
+    return tuple(bounds)
+
+
 def layout_blocks(
     cu_seqlens: torch.Tensor, cu_windows: torch.Tensor | None, mode: str, total: int, q_offset: int, q_len: int
 ) -> tuple[QueryBlock, ...]:
     """Validate the boundaries of a packed sequence of ``total`` tokens and return its query blocks."""
-    doc_bounds = boundaries(cu_seqlens, total, "cu_seqlens")
-    window_bounds = (0, total) if cu_windows is None else boundaries(cu_windows, total, "cu_windows")
-    stray = sorted(set(window_bounds) - set(doc_bounds))
-    if stray:
-        raise ValueError(f"cu_windows must be a subset of cu_seqlens; window boundaries {stray[:5]} are not document boundaries")
-    return query_blocks(doc_bounds, window_bounds, mode, q_offset, q_len)
+    return pack_layout(cu_seqlens, cu_windows, total).blocks(mode, q_offset, q_len)
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,7 +171,7 @@ def per_query(blocks: tuple[QueryBlock, ...], device: torch.device) -> tuple[tor
     lengths = torch.tensor([b.end - b.start for b in blocks])
     key_start = torch.tensor([b.key_start for b in blocks]).repeat_interleave(lengths)
     anchor = torch.tensor([-1 if b.anchor is None else b.anchor for b in blocks]).repeat_interleave(lengths)
-    return key_start.to(device), anchor.to(device)
+    return key_start.to(device, non_blocking=True), anchor.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -130,9 +205,9 @@ def varlen_plan(blocks: tuple[QueryBlock, ...], device: torch.device) -> VarlenP
             if b.anchor is not None:
                 pieces.append(torch.tensor([b.anchor]))
             pieces.append(torch.arange(b.key_start, b.end))
-        kv_rows = torch.cat(pieces).to(device)
+        kv_rows = torch.cat(pieces).to(device, non_blocking=True)
 
     def cumulative(lengths: list[int]) -> torch.Tensor:
-        return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device, non_blocking=True)
 
     return VarlenPlan(cumulative(q_lengths), cumulative(k_lengths), max(q_lengths), max(k_lengths), kv_rows)

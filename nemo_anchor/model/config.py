@@ -79,6 +79,9 @@ class ModelConfig:
                     "pipeline_model_parallel_size"):
             if int(getattr(self, key)) < 1:
                 bad(key, getattr(self, key), "must be a positive integer")
+        for key in ("vocab_size", "head_dim"):  # null: the tokenizer's / hidden_size // num_attention_heads
+            if getattr(self, key) is not None and int(getattr(self, key)) < 1:
+                bad(key, getattr(self, key), "must be a positive integer (or null)")
         if self.num_attention_heads % self.num_query_groups:
             bad("num_query_groups", self.num_query_groups,
                 f"must divide num_attention_heads={self.num_attention_heads}")

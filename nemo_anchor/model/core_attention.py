@@ -19,7 +19,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from nemo_anchor.attention import anchor_attention
-from nemo_anchor.model.packed_seq import attention_boundaries
+from nemo_anchor.attention.layout import PackLayout
+from nemo_anchor.model.packed_seq import packed_layout
 
 _CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -83,8 +84,7 @@ class AnchorCoreAttention(MegatronModule):
 
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed:
-            docs, windows = attention_boundaries(packed_seq_params)
-            out = self._attend(query, key, value, docs, windows)
+            out = self._attend(query, key, value, packed_layout(packed_seq_params))
             return out.reshape(out.size(0), -1)
 
         s, b = query.shape[:2]
@@ -92,20 +92,18 @@ class AnchorCoreAttention(MegatronModule):
         # boundaries describe the whole (unsharded) sequences: each rank holds s = window / cp tokens
         cp = self.pg_collection.cp
         window = s * (cp.size() if cp is not None else 1)
-        bounds = torch.arange(0, (b + 1) * window, window, dtype=torch.int32, device=query.device)
-        out = self._attend(*flat, bounds, bounds)
+        bounds = tuple(range(0, (b + 1) * window, window))
+        out = self._attend(*flat, PackLayout.of(bounds, bounds))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
-    def _attend(self, q, k, v, docs, windows):
+    def _attend(self, q, k, v, layout: PackLayout):
         cp_group = self.pg_collection.cp
         if cp_group is not None and cp_group.size() > 1:
             from nemo_anchor.parallel.context_parallel import context_parallel_attention
 
             return context_parallel_attention(
-                q, k, v, docs, windows, mask=self.mask, backend=self.backend,
+                q, k, v, layout=layout, mask=self.mask, backend=self.backend,
                 softmax_scale=self.softmax_scale, cp_group=cp_group, comm_type=self.cp_comm_type,
             )
-        return anchor_attention(
-            q, k, v, docs.to(torch.int32), cu_windows=windows.to(torch.int32),
-            mode=self.mask, backend=self.backend, softmax_scale=self.softmax_scale,
-        )
+        return anchor_attention(q, k, v, layout=layout, mode=self.mask, backend=self.backend,
+                                softmax_scale=self.softmax_scale)

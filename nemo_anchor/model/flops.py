@@ -20,28 +20,14 @@ from typing import Iterable
 
 import torch
 
-from nemo_anchor.attention.layout import boundaries, query_blocks
+from nemo_anchor.attention.layout import pack_layout
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.config import ModelConfig
 
 
-def kept_pairs(cu_seqlens: torch.Tensor, mode: str) -> int:
-    """(query, key) pairs that ``anchor_attention(mode=mode)`` computes on one window with documents ``cu_seqlens``.
-
-    ``cu_seqlens``: int ``[num_docs + 1]``, ``[0, ..., T]``; the window is one window ``[0, T]``.
-    """
-    bounds = boundaries(cu_seqlens, int(cu_seqlens[-1]), "cu_seqlens")
-    pairs = 0
-    for block in query_blocks(bounds, (0, bounds[-1]), mode, 0, bounds[-1]):
-        n = block.end - block.start
-        # query p sees keys key_start..p: (start - key_start + 1) .. (end - key_start), plus its anchor
-        first, last = block.start - block.key_start + 1, block.end - block.key_start
-        pairs += (first + last) * n // 2 + (n if block.anchor is not None else 0)
-    return pairs
-
-
 def train_step_flops(model: ModelConfig, vocab_size: int, windows: Iterable[torch.Tensor]) -> float:
-    """FLOPs of one optimizer step over ``windows`` (the ``cu_seqlens`` of every window of the global batch).
+    """FLOPs of one optimizer step over ``windows`` (the ``cu_seqlens`` of every window of the global batch:
+    int ``[num_docs + 1]``, ``[0, ..., T]``).
 
     The attention mask is ``model.attention_type``'s; recomputation follows ``model.recompute``.
     """
@@ -51,7 +37,7 @@ def train_step_flops(model: ModelConfig, vocab_size: int, windows: Iterable[torc
     tokens = pairs = 0
     for cu_seqlens in windows:
         tokens += int(cu_seqlens[-1])
-        pairs += kept_pairs(cu_seqlens, mode)
+        pairs += pack_layout(cu_seqlens).kept_pairs(mode)
     dense_per_layer = tokens * (2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h + 3 * 2 * h * f)
     core_per_layer = pairs * 4 * hq * d
     logits = tokens * 2 * h * vocab_size

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_anchor import gpu
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.packed_seq import make_packed_seq_params
 from nemo_anchor.model.rope import install_rope_precision_hook
@@ -44,7 +45,19 @@ def _recompute_settings(cfg: ModelConfig) -> dict:
     return {}
 
 
-def transformer_config(cfg: ModelConfig, *, bf16: bool = False) -> AnchorTransformerConfig:
+def rope_fusion(cfg: ModelConfig) -> bool:
+    """Transformer Engine's fused RoPE where it computes what the unfused path does.
+
+    TE's kernel rotates in fp32 and rounds once; ``rope_in_fp32`` keeps Megatron's unfused fp32
+    rotation (the option the paper measures stays exact), and YaRN keeps it too: Megatron's fused
+    THD path drops YaRN's attention scaling (``mscale``).
+    """
+    return gpu.transformer_engine_kernels() and not cfg.rope_in_fp32 and cfg.rope_scaling != "yarn"
+
+
+def transformer_config(cfg: ModelConfig, *, bf16: bool = False,
+                       gradient_accumulation_fusion: bool = False) -> AnchorTransformerConfig:
+    """Megatron's config of the model; ``gradient_accumulation_fusion`` needs Megatron's DDP (its ``main_grad``)."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     return AnchorTransformerConfig(
         num_layers=cfg.num_layers,
@@ -67,10 +80,10 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False) -> AnchorTransfo
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope_fusion(cfg),
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
         persist_layer_norm=False,
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
@@ -90,17 +103,20 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False) -> AnchorTransfo
 
 
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, *, bf16: bool = False, spec_backend_te: bool | None = None,
-                    pre_process: bool = True, post_process: bool = True) -> GPTModel:
+                    pre_process: bool = True, post_process: bool = True,
+                    config: AnchorTransformerConfig | None = None) -> GPTModel:
     """Build the model, or this pipeline stage of it (``pre_process``: embeddings, ``post_process``: logits).
 
     Megatron's parallel state must be initialised with the config's sizes (``nemo_anchor.parallel``).
     Parameters are fp32; ``bf16`` only records the compute dtype (wrap in ``Float16Module`` to cast).
+    ``config``: Megatron's config to build with, default ``transformer_config(cfg, bf16=bf16)``.
     """
     install_rope_precision_hook()
     if vocab_size % cfg.tensor_model_parallel_size:
         raise ValueError(f"model.vocab_size={vocab_size} must be divisible by model.tensor_model_parallel_size="
                          f"{cfg.tensor_model_parallel_size} (the embedding and logits are split by vocabulary)")
-    config = transformer_config(cfg, bf16=bf16)
+    if config is None:
+        config = transformer_config(cfg, bf16=bf16)
     return GPTModel(
         config=config,
         transformer_layer_spec=get_block_spec(get_layer_spec(cfg.attention_type, cfg.attention_backend,

@@ -3,8 +3,11 @@
 Megatron applies RoPE per ``cu_seqlens_q/kv`` segment in THD format and ignores position ids.
 So the standard fields describe where positions restart (windows, or documents for
 ``intra_doc_reset``) while ``cu_seqlens_doc`` / ``cu_seqlens_window`` tell the core attention
-which keys each token may see. Plain ``PackedSeqParams`` (e.g. from NeMo's packed path) still
-work: every segment is then its own document and window.
+which keys each token may see. ``make_packed_seq_params`` also reads those boundaries to the host
+once and carries them as a :class:`~nemo_anchor.attention.layout.PackLayout` (``layout``): every
+layer of the micro-batch reuses it, with no host sync inside the layers. Plain ``PackedSeqParams``
+(e.g. from NeMo's own packed path) still work: every segment is then its own document and window,
+read in each layer.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from nemo_anchor.attention.layout import PackLayout, pack_layout
 from nemo_anchor.attention.paradigms import get_attention_type
 
 
@@ -20,17 +24,19 @@ from nemo_anchor.attention.paradigms import get_attention_type
 class AnchorPackedSeqParams(PackedSeqParams):
     cu_seqlens_doc: torch.Tensor = None  # int32 [n_docs + 1], document boundaries over the pack
     cu_seqlens_window: torch.Tensor = None  # int32 [n_windows + 1], each also a document boundary
+    layout: PackLayout = None  # the two above, read to the host once for all layers
 
 
-def attention_boundaries(params: PackedSeqParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cu_seqlens of documents, cu_seqlens of windows) as the core attention should see them."""
+def packed_layout(params: PackedSeqParams) -> PackLayout:
+    """The pack's documents and windows as the core attention should see them."""
+    layout = getattr(params, "layout", None)
+    if layout is not None:
+        return layout
     docs = getattr(params, "cu_seqlens_doc", None)
     windows = getattr(params, "cu_seqlens_window", None)
     if docs is None:
         docs = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    if windows is None:
-        windows = docs
-    return docs, windows
+    return pack_layout(docs, docs if windows is None else windows)
 
 
 def make_packed_seq_params(
@@ -43,10 +49,13 @@ def make_packed_seq_params(
     kind = get_attention_type(attention_type)
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_windows = cu_windows.to(torch.int32)
-    rope_segments = cu_seqlens if kind.rope_restarts == "document" else cu_windows
+    layout = pack_layout(cu_seqlens, cu_windows)
+    by_document = kind.rope_restarts == "document"
+    rope_segments = cu_seqlens if by_document else cu_windows
+    rope_bounds = layout.doc_bounds if by_document else layout.window_bounds
     # Megatron sizes its RoPE table by max_seqlen and, when that equals the pack length, maps
     # positions by offset instead of restarting per segment; both agree with rope_segments.
-    max_seqlen = int((rope_segments[1:] - rope_segments[:-1]).max())
+    max_seqlen = max(end - start for start, end in zip(rope_bounds, rope_bounds[1:]))
     return AnchorPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=rope_segments,
@@ -56,4 +65,5 @@ def make_packed_seq_params(
         cp_group=cp_group,
         cu_seqlens_doc=cu_seqlens,
         cu_seqlens_window=cu_windows,
+        layout=layout,
     )

@@ -19,6 +19,7 @@ from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.gpt import packed_forward
 from nemo_anchor.model.rope import install_rope_precision_hook
 from nemo_anchor.model.spec import get_layer_spec
+from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 
 # Keys of a collated batch (``nemo_anchor.data.collate_windows``) that the forward step reads.
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_windows")
@@ -37,21 +38,14 @@ def anchor_data_step(dataloader_iter, attention_type: str = "anchor") -> dict[st
     context-parallel split ignores document boundaries, so packed windows take this path. The
     configs bind ``attention_type``, which decides how windows are cut across ranks.
     """
-    from megatron.core import parallel_state
-
     batch = next(dataloader_iter)
     if isinstance(batch, tuple):  # (batch, batch_idx, dataloader_idx) from Lightning's fetcher
         batch = batch[0]
     missing = [k for k in _BATCH_KEYS if k not in batch]
     if missing:
         raise ValueError(f"batch lacks {missing}: feed AnchorPackedDataModule (nemo_anchor.data.collate_windows) batches")
-    batch = {k: batch[k] for k in _BATCH_KEYS}
-    if parallel_state.get_context_parallel_world_size() > 1:
-        from nemo_anchor.parallel.context_parallel import shard_batch
-
-        batch = shard_batch(batch, parallel_state.get_context_parallel_group(), attention_type)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return batch_for_this_rank({k: batch[k] for k in _BATCH_KEYS}, attention_type, device)
 
 
 def anchor_forward_step(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Context parallelism over packed windows, for every attention type, exact against one process.
 
 ``context_parallel_attention`` is what ``AnchorCoreAttention`` runs when Megatron's context-parallel
-group has more than one rank; ``shard_batch`` hands each rank its tokens of a collated batch. The
+group has more than one rank; ``shard_batch`` hands each rank its tokens of a collated batch
+(``batch_for_this_rank``: with Megatron's group, on the device, for our trainer and NeMo's data step). The
 layout is Megatron's load-balanced one (:mod:`nemo_anchor.parallel.load_balance`): rank r holds
 chunks r and 2cp-1-r of every window, so documents, anchors and RoPE positions travel with the
 split and only the attention needs to communicate.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_anchor.attention import anchor_attention
-from nemo_anchor.attention.layout import boundaries
+from nemo_anchor.attention.layout import PackLayout, pack_layout
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.parallel.collectives import all_gather, all_to_all
 from nemo_anchor.parallel.load_balance import check_windows, rank_chunks, rank_major_order, rank_positions
@@ -53,9 +54,10 @@ def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    cu_windows: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_windows: torch.Tensor | None = None,
     *,
+    layout: PackLayout | None = None,
     mask: str,
     backend: str = "auto",
     softmax_scale: float | None = None,
@@ -73,6 +75,8 @@ def context_parallel_attention(
         cu_seqlens, cu_windows: integer tensors, the document and window boundaries of the
             *whole* pack of ``cp * t`` tokens (the same on every rank); window lengths must be
             multiples of ``2 * cp``.
+        layout: instead of the two, the whole pack's
+            :class:`~nemo_anchor.attention.layout.PackLayout`, read once for every layer.
         mask, backend, softmax_scale: as ``mode``, ``backend``, ``softmax_scale`` of
             :func:`nemo_anchor.attention.anchor_attention`.
         cp_group: the context-parallel process group.
@@ -89,32 +93,34 @@ def context_parallel_attention(
     cp_size = cp_group.size()
     attend = functools.partial(anchor_attention, mode=mask, backend=backend, softmax_scale=softmax_scale)
     if cp_size == 1:
-        return attend(q, k, v, cu_seqlens, cu_windows=cu_windows)
+        return attend(q, k, v, cu_seqlens, cu_windows=cu_windows, layout=layout)
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q (t, Hq, D) and k, v (t, Hkv, D) must hold the same t local tokens, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     check_head_split(q.shape[1], k.shape[1], cp_size, comm_type)
     total = cp_size * q.shape[0]
-    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_windows", cu_windows)):
-        if isinstance(cu, torch.Tensor) and cu.dim() == 1 and len(cu) and int(cu[-1]) != total:
-            raise ValueError(f"{name} ends at {int(cu[-1])}, but the context-parallel group holds "
-                             f"cp x t = {cp_size} x {q.shape[0]} = {total} tokens: pass the boundaries of "
-                             f"the whole (unsharded) pack")
-    docs = boundaries(cu_seqlens, total, "cu_seqlens")
-    windows = boundaries(cu_windows, total, "cu_windows")
-    if not set(windows) <= set(docs):
-        raise ValueError(f"cu_windows must be a subset of cu_seqlens; window boundaries "
-                         f"{sorted(set(windows) - set(docs))[:5]} are not document boundaries")
-    check_windows(windows, cp_size)
+    if layout is None:
+        for name, cu in (("cu_seqlens", cu_seqlens), ("cu_windows", cu_windows)):
+            if isinstance(cu, torch.Tensor) and cu.dim() == 1 and len(cu) and int(cu[-1]) != total:
+                _raise_not_the_whole_pack(name, int(cu[-1]), cp_size, q.shape[0])
+        layout = pack_layout(cu_seqlens, cu_windows, total)
+    elif layout.total != total:
+        _raise_not_the_whole_pack("the layout", layout.total, cp_size, q.shape[0])
+    check_windows(layout.window_bounds, cp_size)
     if comm_type == "a2a":
-        return _head_sharded_attention(q, k, v, cu_seqlens, cu_windows, windows, cp_group, attend)
-    return _gathered_kv_attention(q, k, v, docs, windows, cp_group, attend)
+        return _head_sharded_attention(q, k, v, layout, cp_group, attend)
+    return _gathered_kv_attention(q, k, v, layout, cp_group, attend)
 
 
-def _head_sharded_attention(q, k, v, cu_seqlens, cu_windows, windows, group, attend):
+def _raise_not_the_whole_pack(name: str, end: int, cp_size: int, local: int):
+    raise ValueError(f"{name} ends at {end}, but the context-parallel group holds cp x t = {cp_size} x {local} = "
+                     f"{cp_size * local} tokens: pass the boundaries of the whole (unsharded) pack")
+
+
+def _head_sharded_attention(q, k, v, layout, group, attend):
     """Ulysses: sequence shards -> head shards of the whole pack -> attention -> sequence shards."""
     cp_size, (t, q_heads, head_dim), kv_heads = group.size(), q.shape, k.shape[1]
-    order, inverse = rank_major_order(windows, cp_size, q.device)
+    order, inverse = rank_major_order(layout.window_bounds, cp_size, q.device)
 
     def head_blocks(x):  # [t, H, D] -> [cp, t, H/cp, D]: block j travels to rank j
         return x.reshape(t, cp_size, x.shape[1] // cp_size, head_dim).transpose(0, 1)
@@ -122,7 +128,7 @@ def _head_sharded_attention(q, k, v, cu_seqlens, cu_windows, windows, group, att
     qkv = all_to_all(torch.cat([head_blocks(x) for x in (q, k, v)], dim=2), group)
     qkv = qkv.flatten(0, 1).index_select(0, inverse)  # every token of the pack, in position order
     q_all, k_all, v_all = qkv.split([q_heads // cp_size, kv_heads // cp_size, kv_heads // cp_size], dim=1)
-    out = attend(q_all, k_all, v_all, cu_seqlens, cu_windows=cu_windows)
+    out = attend(q_all, k_all, v_all, layout=layout)
     out = all_to_all(out.index_select(0, order).view(cp_size, t, q_heads // cp_size, head_dim), group)
     return out.transpose(0, 1).reshape(t, q_heads, head_dim)
 
@@ -134,7 +140,7 @@ class _ChunkQueries:
     rows: slice  # the chunk's local rows
     keys: slice  # positions in the pack: its window's start up to the chunk's end (later keys are masked)
     q_offset: int  # the chunk's first position, relative to keys.start
-    cu_seqlens: torch.Tensor  # int32 document boundaries over the keys
+    layout: PackLayout  # the documents of the keys, one window
 
 
 @functools.lru_cache(maxsize=64)
@@ -143,21 +149,22 @@ def _chunk_queries(docs: tuple[int, ...], windows: tuple[int, ...], cp_size: int
     for i, (start, end) in enumerate(rank_chunks(windows, cp_size, cp_rank)):
         window_start = windows[i // 2]
         inside = docs[bisect_right(docs, window_start):bisect_left(docs, end)]
-        bounds = torch.tensor([0, *(d - window_start for d in inside), end - window_start], dtype=torch.int32)
-        calls.append(_ChunkQueries(slice(row, row + end - start), slice(window_start, end), start - window_start, bounds))
+        bounds = (0, *(d - window_start for d in inside), end - window_start)
+        calls.append(_ChunkQueries(slice(row, row + end - start), slice(window_start, end), start - window_start,
+                                   PackLayout.of(bounds)))
         row += end - start
     return tuple(calls)
 
 
-def _gathered_kv_attention(q, k, v, docs, windows, group, attend):
+def _gathered_kv_attention(q, k, v, layout, group, attend):
     """All-gather keys and values; each rank attends its own query chunks."""
     kv_heads = k.shape[1]
-    _, inverse = rank_major_order(windows, group.size(), q.device)
+    _, inverse = rank_major_order(layout.window_bounds, group.size(), q.device)
     kv = all_gather(torch.cat([k, v], dim=1), group).index_select(0, inverse)
     k_all, v_all = kv[:, :kv_heads], kv[:, kv_heads:]
     return torch.cat([
-        attend(q[c.rows], k_all[c.keys], v_all[c.keys], c.cu_seqlens, q_offset=c.q_offset)
-        for c in _chunk_queries(docs, windows, group.size(), group.rank())
+        attend(q[c.rows], k_all[c.keys], v_all[c.keys], layout=c.layout, q_offset=c.q_offset)
+        for c in _chunk_queries(layout.doc_bounds, layout.window_bounds, group.size(), group.rank())
     ])
 
 
@@ -249,3 +256,14 @@ def shard_batch(batch: dict, cp_group, attention_type: str) -> dict:
             value = local.view(*plan.shape, *value.shape[2:])
         sharded[key] = value
     return sharded
+
+
+def batch_for_this_rank(batch: dict, attention_type: str, device: torch.device) -> dict:
+    """A collated batch as this rank's model takes it: its context-parallel share (:func:`shard_batch`
+    over Megatron's context-parallel group) with every tensor on ``device``."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = shard_batch(batch, parallel_state.get_context_parallel_group(), attention_type)
+    return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+            for key, value in batch.items()}

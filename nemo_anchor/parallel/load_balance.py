@@ -50,4 +50,4 @@ def rank_major_order(window_bounds: tuple[int, ...], cp_size: int, device: torch
     order = torch.cat([rank_positions(window_bounds, cp_size, rank) for rank in range(cp_size)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order))
-    return order.to(device), inverse.to(device)
+    return order.to(device, non_blocking=True), inverse.to(device, non_blocking=True)

@@ -13,15 +13,19 @@ One checkpoint directory (layout: :mod:`nemo_anchor.run_dir`) holds
 - ``train``: step, scheduler and sampler state (small, replicated); ``rng``: each rank's RNG state.
 
 A checkpoint is written into ``checkpoints/.tmp.iter_*`` and renamed when every rank has finished,
-so a ``kill -9`` at any moment leaves the previous complete checkpoint. Before loading, the
-files a checkpoint's metadata refers to are checked, so a truncated or missing file is named
-and the trainer can fall back to an older checkpoint (:func:`pick_resumable`).
+so a ``kill -9`` at any moment leaves the previous complete checkpoint; a full disk is named and
+the partial checkpoint removed (:func:`nemo_anchor.atomic.write_faults_named`). Its ``CHECKSUMS``
+manifest records every file's size and CRC-32; before loading they are checked, so a missing,
+truncated or corrupt file is named and the trainer falls back to an older checkpoint
+(:func:`pick_resumable`).
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -29,10 +33,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-from nemo_anchor.run_dir import RunDir
+from nemo_anchor.atomic import atomic_file, write_faults_named
+from nemo_anchor.run_dir import RunDir, checkpoint_step
 
 MODEL_PREFIX = "model."
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+CHECKSUMS = "checksums.json"  # {file: [bytes, CRC-32]} of every other file of the checkpoint, written at save
+_CHUNK = 16 << 20
 
 
 class CheckpointError(ValueError):
@@ -130,8 +137,10 @@ def _with_weights(sharded: dict, weights: dict[int, torch.Tensor]) -> dict:
 
 
 def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_config_yaml: str,
-                    keep_last: int) -> Path:
-    """Save this rank's shards of the model (fp32), optimizer, ``train_state`` and RNG; returns the directory."""
+                    keep_last: int, save_every: int = 0) -> Path:
+    """Save this rank's shards of the model (fp32), optimizer, ``train_state`` and RNG; returns the directory.
+
+    Older checkpoints beyond ``keep_last`` are then removed (:func:`evict_old_checkpoints`)."""
     final = run.checkpoint(step)
     tmp = run.checkpoints / f".tmp.{final.name}"
     if _rank() == 0:
@@ -148,28 +157,126 @@ def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_confi
         "rng": _rng_object(_rng_state()),
     }
     state["model"] = _with_weights(engine.gpt.sharded_state_dict(prefix=MODEL_PREFIX), masters)
-    dist_checkpointing.save(state, str(tmp))
-    _barrier()
+    with write_faults_named(final, tmp):  # a full disk is named, and the partial checkpoint removed
+        dist_checkpointing.save(state, str(tmp))
+        _barrier()
+        if _rank() == 0:
+            (tmp / "config.yaml").write_text(run_config_yaml)
+        record_checksums(tmp)
     if _rank() == 0:
-        (tmp / "config.yaml").write_text(run_config_yaml)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        latest_tmp = run.checkpoints / f".{run.latest_file.name}.tmp"
-        latest_tmp.write_text(str(step))
-        os.replace(latest_tmp, run.latest_file)
-        for old in run.list_checkpoints()[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        with atomic_file(run.latest_file) as latest:
+            latest.write_text(str(step))
+        evict_old_checkpoints(run, keep_last, save_every)
     _barrier()
     return final
 
 
-def verify_files(ckpt_dir: str | os.PathLike) -> None:
-    """CheckpointError naming the first missing, unreadable or truncated file of a checkpoint.
+def evict_old_checkpoints(run: RunDir, keep_last: int, save_every: int = 0) -> list[Path]:
+    """Remove all but the newest checkpoint and the newest ``keep_last`` scheduled ones (every
+    ``save_every`` steps; all of them when 0); returns the removed.
 
-    Reads only metadata: ``metadata.json``, ``common.pt`` and the tensor index, whose entries say
+    An off-schedule checkpoint (a signal's, the last step's) is kept only while it is the newest: it
+    exists to resume from, and must never push out a scheduled checkpoint that checkpoint averaging
+    over the last ``keep_last`` saves needs."""
+    saved = run.list_checkpoints()
+    scheduled = [path for path in saved if not save_every or checkpoint_step(path) % save_every == 0]
+    kept = set(scheduled[-keep_last:] + saved[-1:])
+    removed = [path for path in saved if path not in kept]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(ckpt_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+
+
+def record_checksums(ckpt_dir: str | os.PathLike) -> None:
+    """Write ``CHECKSUMS``: the size and CRC-32 of every file of a just-written checkpoint.
+
+    Collective, after every rank has written its files: each rank reads its share of the files (a
+    multi-GB checkpoint is read once, in parallel), rank 0 writes the manifest.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    names = _files(ckpt_dir) if _rank() == 0 else None
+    names = _broadcast(names)
+    mine = {name: [(ckpt_dir / name).stat().st_size, _crc32(ckpt_dir / name)] for name in names[_rank()::_world()]}
+    every = _gather(mine)
+    if _rank() == 0:
+        sums = {name: value for part in every for name, value in part.items()}
+        (ckpt_dir / CHECKSUMS).write_text(json.dumps(dict(sorted(sums.items())), indent=1))
+
+
+def _broadcast(value):
+    box = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value) -> list:
+    if not dist.is_initialized():
+        return [value]
+    every = [None] * _world()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def _damaged_files(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str, str]:
+    """{file: what is wrong with it} for those of ``names`` that do not match the manifest."""
+    problems = {}
+    for name in names:
+        path = ckpt_dir / name
+        size, crc = sums[name]
+        if not path.is_file():
+            problems[name] = f"{path} is missing"
+        elif path.stat().st_size != size:
+            problems[name] = f"{path} has {path.stat().st_size} bytes, {CHECKSUMS} recorded {size}"
+        elif _crc32(path) != crc:
+            problems[name] = f"{path} is corrupt: its CRC-32 differs from the one {CHECKSUMS} recorded at save"
+    return problems
+
+
+def verify_files(ckpt_dir: str | os.PathLike) -> None:
+    """CheckpointError naming the first missing, unreadable, truncated or corrupt file of a checkpoint.
+
+    Collective. With a ``CHECKSUMS`` manifest (every checkpoint this trainer saves) each file's size
+    and CRC-32 are compared, the ranks sharing the reading. Without one (a weights-only checkpoint)
+    only metadata is read: ``metadata.json``, ``common.pt`` and the tensor index, whose entries say
     how many bytes of which file each tensor occupies.
     """
     ckpt_dir = Path(ckpt_dir)
+    problem = None
+    if _rank() == 0:
+        try:
+            sums = json.loads((ckpt_dir / CHECKSUMS).read_text()) if (ckpt_dir / CHECKSUMS).is_file() else None
+            if sums is None:
+                _verify_against_index(ckpt_dir)
+        except CheckpointError as err:
+            problem, sums = str(err), None
+        except (OSError, ValueError) as err:
+            problem, sums = f"{ckpt_dir / CHECKSUMS} is unreadable ({err})", None
+    problem, sums = _broadcast((problem, sums))
+    if sums is not None:
+        names = sorted(sums)
+        found = {name: why for part in _gather(_damaged_files(ckpt_dir, sums, names[_rank()::_world()]))
+                 for name, why in part.items()}
+        problem = found[min(found)] if found else None
+    if problem:
+        raise CheckpointError(problem)
+
+
+def _verify_against_index(ckpt_dir: Path) -> None:
     for name in ("metadata.json", "common.pt", ".metadata"):
         if not (ckpt_dir / name).is_file():
             raise CheckpointError(f"{ckpt_dir / name} is missing")
@@ -200,23 +307,18 @@ def has_training_state(ckpt_dir: str | os.PathLike) -> bool:
 def pick_resumable(run: RunDir, report) -> Path | None:
     """The newest complete checkpoint with training state whose files are intact, or None.
 
-    A damaged checkpoint is reported (``report(message)``) and the next older one tried. Rank 0
-    decides; every rank gets the same answer. Weights-only checkpoints are not resumable.
+    A damaged checkpoint is reported (``report(message)``, naming the bad file) and the next older
+    one tried. Collective: rank 0 lists the checkpoints, the ranks share verifying them, every rank
+    gets the same answer. Weights-only checkpoints are not resumable.
     """
-    chosen = [None]
-    if _rank() == 0:
-        for candidate in reversed(run.list_checkpoints()):
-            try:
-                verify_files(candidate)
-            except CheckpointError as err:
-                report(f"warning: cannot resume from {candidate.name}: {err}; trying the previous checkpoint")
-                continue
-            if has_training_state(candidate):
-                chosen[0] = str(candidate)
-            break
-    if dist.is_initialized():
-        dist.broadcast_object_list(chosen, src=0)
-    return Path(chosen[0]) if chosen[0] else None
+    for candidate in reversed(_broadcast(run.list_checkpoints() if _rank() == 0 else None)):
+        try:
+            verify_files(candidate)
+        except CheckpointError as err:
+            report(f"warning: cannot resume from {candidate.name}: {err}; trying the previous checkpoint")
+            continue
+        return candidate if _broadcast(has_training_state(candidate) if _rank() == 0 else None) else None
+    return None
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, engine) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import asdict
@@ -28,12 +29,33 @@ def register(subparsers) -> None:
         "plan", help="per-GPU memory of a training config before launch; exit 1 when it does not fit",
         description="Weights, gradients, optimizer state, activations, logits and communication buffers per GPU "
                     "for the config's parallel layout, against the GPU's memory. Exit 0 when it fits, 1 (naming "
-                    "the smallest change that fits) when it does not.")
+                    "the smallest change that fits) when it does not, 2 for a config or option it cannot plan.")
     add_arguments(plan)
-    plan.add_argument("--gpus", type=int, required=True, help="processes (GPUs) the run is launched on")
-    plan.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU in GiB")
+    plan.add_argument("--gpus", type=_positive_int, required=True, help="processes (GPUs) the run is launched on")
+    plan.add_argument("--gpu-memory", type=_positive_gib, required=True, metavar="GIB",
+                      help="memory of one GPU in GiB")
     plan.add_argument("--json", action="store_true", help="print the numbers as JSON")
     plan.set_defaults(func=run_plan)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of GPUs")
+    return value
+
+
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of GiB greater than 0")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,31 +119,41 @@ def _vocab_size(config) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """0 when the plan fits, 1 when it does not, 2 (one ``error:`` line) for a config or layout that cannot run."""
+    try:
+        plan, fix = _plan(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"nemo-anchor plan: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "config": str(args.config), "suggestion": fix}, indent=2))
+    else:
+        from nemo_anchor.training.memory import GIB
+
+        print(format_plan(plan, str(args.config)))
+        if not plan.fits:
+            print(f"does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory:g} GiB; "
+                  + (f"smallest change that fits: {fix}" if fix else "no layout of tensor x context parallelism "
+                     "with full recompute up to 64x the GPUs fits"))
+    return 0 if plan.fits else 1
+
+
+def _plan(args: argparse.Namespace) -> tuple:
+    """(the plan, the smallest change that fits or None)."""
     from nemo_anchor.training.config import load_config
     from nemo_anchor.training.memory import GIB, Layout, plan_memory, suggest
 
     config = load_config(args.config, args.overrides)
     m, t = config.model, config.trainer
     layout = Layout(args.gpus, m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size)
-    if args.gpus < 1 or args.gpus % (layout.tensor * layout.pipeline * layout.context):
+    if args.gpus % (layout.tensor * layout.pipeline * layout.context):
         raise ValueError(f"--gpus {args.gpus} is not a multiple of tensor x pipeline x context parallel size = "
                          f"{layout.tensor} x {layout.pipeline} x {layout.context}")
-    if args.gpu_memory <= 0:
-        raise ValueError(f"--gpu-memory {args.gpu_memory} must be positive (GiB)")
     options = dict(gpu_bytes=int(args.gpu_memory * GIB), micro_batch_size=t.micro_batch_size,
                    bf16=t.precision == "bf16", distributed_optimizer=t.distributed_optimizer)
     vocab = _vocab_size(config)
     plan = plan_memory(m, vocab, layout, **options)
-    fix = None if plan.fits else suggest(m, vocab, layout, **options)
-    if args.json:
-        print(json.dumps({**plan.as_dict(), "config": str(args.config), "suggestion": fix}, indent=2))
-    else:
-        print(format_plan(plan, str(args.config)))
-        if not plan.fits:
-            print(f"does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory:g} GiB; "
-                  + (f"smallest change that fits: {fix}" if fix else "no change of recompute, tensor or context "
-                     "parallelism up to 64x the GPUs fits"))
-    return 0 if plan.fits else 1
+    return plan, None if plan.fits else suggest(m, vocab, layout, **options)
 
 
 def format_plan(plan, name: str) -> str:

@@ -5,6 +5,9 @@ What Megatron-LM and NeMo run, built from Megatron-Core's own pieces:
 - the model (this pipeline stage of it) in Megatron's ``Float16Module`` for bf16 runs (bf16
   parameters and kernels) and Megatron's ``DistributedDataParallel`` (fp32 gradient buffers,
   bucketed reduction over the data x context-parallel group);
+- with CUDA, Megatron-LM's GPU defaults (:func:`megatron_configs`): gradient reduction and the
+  distributed optimizer's parameter all-gather overlapped with compute; with Transformer Engine,
+  its fused RoPE and fused weight-gradient accumulation;
 - ``get_megatron_optimizer``: AdamW on fp32 master weights with fp32 state, sharded over the
   data x context-parallel ranks with ``trainer.distributed_optimizer`` (ZeRO-1);
 - ``OptimizerParamScheduler`` for warmup and decay;
@@ -15,6 +18,7 @@ What Megatron-LM and NeMo run, built from Megatron-Core's own pieces:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -28,8 +32,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from nemo_anchor import gpu
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
-from nemo_anchor.model.gpt import build_gpt_model
+from nemo_anchor.model.gpt import AnchorTransformerConfig, build_gpt_model, transformer_config
 from nemo_anchor.model.packed_seq import make_packed_seq_params
 from nemo_anchor.parallel.distributed import ParallelContext
 from nemo_anchor.training.config import RunConfig
@@ -48,20 +53,39 @@ class Engine:
         return module.module if isinstance(module, Float16Module) else module
 
 
+def megatron_configs(config: RunConfig, device: torch.device
+                     ) -> tuple[AnchorTransformerConfig, DistributedDataParallelConfig]:
+    """Megatron's model and DDP configs of this run, with Megatron-LM's Llama-recipe defaults on a GPU.
+
+    With CUDA, gradient reduction overlaps the backward and, with the distributed optimizer, the
+    parameter all-gather overlaps the next forward (:func:`parameters_gathered` around what reads
+    the parameters outside a step); with Transformer Engine, weight-gradient accumulation is fused
+    into the GEMMs (and RoPE, see :func:`nemo_anchor.model.gpt.rope_fusion`). The CPU (gloo) runs
+    every collective synchronously and unfused.
+    """
+    overlap = device.type == "cuda"
+    distributed_optimizer = config.trainer.distributed_optimizer
+    model_config = transformer_config(config.model, bf16=config.trainer.precision == "bf16",
+                                      gradient_accumulation_fusion=overlap and gpu.gradient_accumulation_fusion())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap and distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return model_config, ddp_config
+
+
 def build_engine(config: RunConfig, ctx: ParallelContext, vocab_size: int,
                  initialize: Callable[[torch.nn.Module], None] | None = None) -> Engine:
     """Model, optimizer and scheduler of this rank; ``initialize(gpt)`` sets starting weights (fp32)."""
     bf16 = config.trainer.precision == "bf16"
-    gpt = build_gpt_model(config.model, vocab_size, bf16=bf16, pre_process=ctx.is_first_stage,
+    model_config, ddp_config = megatron_configs(config, ctx.device)
+    gpt = build_gpt_model(config.model, vocab_size, config=model_config, pre_process=ctx.is_first_stage,
                           post_process=ctx.is_last_stage).to(ctx.device)
     if initialize is not None:
         initialize(gpt)  # before the optimizer copies the weights into its fp32 masters
     module = Float16Module(gpt.config, gpt) if bf16 else gpt
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=config.trainer.distributed_optimizer,
-    )
     model = DistributedDataParallel(gpt.config, ddp_config, module)
     o, t = config.optim, config.trainer
     optimizer = get_megatron_optimizer(OptimizerConfig(
@@ -76,6 +100,24 @@ def build_engine(config: RunConfig, ctx: ParallelContext, vocab_size: int,
     gpt.config.finalize_model_grads_func = finalize_model_grads
     gpt.config.no_sync_func = model.no_sync
     return Engine(model, optimizer, scheduler)
+
+
+@contextlib.contextmanager
+def parameters_gathered(engine: Engine):
+    """Every parameter complete while the block runs (evaluation, checkpoint saves), as Megatron-LM's loop does.
+
+    With ``overlap_param_gather`` the optimizer step leaves each rank only its own shard updated
+    and the forward pre-hooks all-gather the rest during the next forward; here the hooks are
+    taken off with a synchronous all-gather, and put back afterwards. Nothing to do otherwise.
+    """
+    if not engine.model.use_forward_hook:
+        yield
+        return
+    engine.model.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        engine.model.enable_forward_pre_hook()
 
 
 def _forward_step(attention_type: str, cp_group, data_iterator: Iterator[dict], model):

@@ -20,15 +20,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_anchor.atomic import OutputError, check_not_an_input, written_by
+from nemo_anchor.atomic import OutputError, atomic_file, check_not_an_input, written_by
 from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
+from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, checkpoint_step, read_run_config
 from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training import memory, resume, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
-from nemo_anchor.training.engine import Engine, build_engine, run_microbatches, train_step
+from nemo_anchor.training.engine import Engine, build_engine, parameters_gathered, run_microbatches, train_step
 from nemo_anchor.training.metrics import MetricsLogger
 
 # exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint (EX_TEMPFAIL: run it again to resume)
@@ -257,9 +258,8 @@ class Trainer:
     def _prepare_output_dir(self) -> None:
         if self.ctx.is_main:
             self.run.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.run.root / ".config.yaml.tmp"
-            tmp.write_text(self.config_yaml)
-            tmp.replace(self.run.config)
+            with atomic_file(self.run.config) as staging:  # a read-only run folder is named, not a temp file
+                staging.write_text(self.config_yaml)
             if not self.run.tokenizer.exists():
                 staging = self.run.root / ".tokenizer.tmp"
                 shutil.rmtree(staging, ignore_errors=True)
@@ -273,14 +273,7 @@ class Trainer:
         batch = collate_windows([dataset[i] for i in indices])
         if weights is not None:  # padding windows of an uneven evaluation split count for nothing
             batch["loss_mask"] = batch["loss_mask"] * torch.tensor(weights, dtype=batch["loss_mask"].dtype)[:, None]
-        if self.config.model.context_parallel_size > 1:
-            from megatron.core import parallel_state
-
-            from nemo_anchor.parallel.context_parallel import shard_batch
-
-            batch = shard_batch(batch, parallel_state.get_context_parallel_group(),
-                                attention_type=self.config.model.attention_type)
-        return {k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return batch_for_this_rank(batch, self.config.model.attention_type, self.ctx.device)
 
     def train_step(self) -> dict:
         t = self.config.trainer
@@ -311,14 +304,16 @@ class Trainer:
         slots = [rank + i * dp for i in range(per_rank)]  # equal work on every rank: extra slots weigh 0
         batches = [self._load(self.valid, [min(s, count - 1)], [1.0 if s < count else 0.0]) for s in slots]
         self.engine.model.eval()
-        totals = run_microbatches(self.engine, self.config, batches, forward_only=True)
+        with parameters_gathered(self.engine):
+            totals = run_microbatches(self.engine, self.config, batches, forward_only=True)
         self.engine.model.train()
         return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
     def save(self) -> Path:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_fingerprint}
-        return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
-                                    self.config.checkpoint.keep_last)
+        with parameters_gathered(self.engine):
+            return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
+                                        self.config.checkpoint.keep_last, self.config.checkpoint.save_every)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:

@@ -42,61 +42,68 @@ class Layout:
         return self.gpus // (self.tensor * self.pipeline * self.context)
 
 
-def parameter_shapes(model: ModelConfig, vocab_size: int, tensor: int = 1, pipeline: int = 1,
-                     stage: int = 0) -> list[tuple[str, int]]:
-    """(name, elements) of every parameter one tensor-parallel rank of pipeline ``stage`` holds, in
-    module order (the order DDP lays its buffer out in, reversed)."""
+def parameter_groups(model: ModelConfig, vocab_size: int, tensor: int = 1, pipeline: int = 1,
+                     stage: int = 0) -> list[tuple[list[int], int]]:
+    """The parameters one tensor-parallel rank of pipeline ``stage`` holds, in module order (the order
+    DDP lays its buffer out in, reversed), as (elements of each parameter of a group, times the group
+    repeats): the layers are one group repeated, so nothing here grows with the layer count."""
     h, d = model.hidden_size, model.kv_channels
     q, kv, ffn = model.num_attention_heads * d, model.num_query_groups * d, model.ffn_hidden_size
-    layers = model.num_layers // pipeline
     first, last = stage == 0, stage == pipeline - 1
-    shapes = [("embedding.word_embeddings.weight", vocab_size // tensor * h)] if first else []
-    for layer in range(stage * layers, (stage + 1) * layers):
-        prefix = f"decoder.layers.{layer}."
-        shapes += [(prefix + "input_layernorm.weight", h),
-                   (prefix + "self_attention.linear_proj.weight", h * q // tensor),
-                   (prefix + "self_attention.linear_qkv.weight", (q + 2 * kv) // tensor * h)]
-        if model.qkv_bias:
-            shapes.append((prefix + "self_attention.linear_qkv.bias", (q + 2 * kv) // tensor))
-        shapes += [(prefix + "pre_mlp_layernorm.weight", h),
-                   (prefix + "mlp.linear_fc1.weight", 2 * ffn // tensor * h),
-                   (prefix + "mlp.linear_fc2.weight", h * ffn // tensor)]
-    if last:
-        shapes.append(("decoder.final_layernorm.weight", h))
-        if not model.tie_embeddings or not first:  # a tied last stage holds its own copy of the embedding
-            shapes.append(("output_layer.weight", vocab_size // tensor * h))
-    return shapes
+    # input_layernorm, linear_proj, linear_qkv (+ bias), pre_mlp_layernorm, linear_fc1, linear_fc2
+    layer = [h, h * q // tensor, (q + 2 * kv) // tensor * h] + ([(q + 2 * kv) // tensor] if model.qkv_bias else [])
+    layer += [h, 2 * ffn // tensor * h, h * ffn // tensor]
+    groups = [([vocab_size // tensor * h], 1)] if first else []  # the word embeddings
+    groups.append((layer, model.num_layers // pipeline))
+    if last:  # the final norm, and the output layer unless tied (a tied last stage holds its own copy)
+        groups.append(([h] + ([vocab_size // tensor * h] if not model.tie_embeddings or not first else []), 1))
+    return groups
 
 
-def _buffer_layout(numels: list[int], data_parallel: int, distributed_optimizer: bool) -> tuple[int, list[int]]:
-    """(padded buffer elements, elements of real parameters each data-parallel rank owns), as
-    Megatron's ``_ParamAndGradBuffer`` lays parameters out (reverse order, 64-element aligned starts
-    and buckets padded to lcm(dp, 128) with the distributed optimizer)."""
-    if not distributed_optimizer:
-        total = sum(numels)
-        return total, [total] * data_parallel
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _padded_buffer_elements(groups: list[tuple[list[int], int]], data_parallel: int) -> int:
+    """Elements of the parameter buffer Megatron's ``_ParamAndGradBuffer`` allocates for the distributed
+    optimizer: parameters in reverse order at 64-element aligned starts, a bucket closed once it holds
+    ``bucket_size`` elements and padded to lcm(dp, 128)."""
     bucket_size = max(_BUCKET_BASE, _BUCKET_PER_RANK * data_parallel)
     divisor = math.lcm(data_parallel, 128)
-    ranges, buckets = [], []
-    start = bucket_start = 0
-    for numel in reversed(numels):
-        start = -(-start // 64) * 64
-        ranges.append((start, start + numel))
-        start += numel
-        if start - bucket_start >= bucket_size:
-            start = -(-start // divisor) * divisor
-            buckets.append((bucket_start, start))
-            bucket_start = start
-    if start > bucket_start:
-        start = -(-start // divisor) * divisor
-        buckets.append((bucket_start, start))
-    owned = [0] * data_parallel
-    for lo, hi in buckets:
-        shard = (hi - lo) // data_parallel
-        for rank in range(data_parallel):
-            own_lo, own_hi = lo + rank * shard, lo + (rank + 1) * shard
-            owned[rank] += sum(max(0, min(p_hi, own_hi) - max(p_lo, own_lo)) for p_lo, p_hi in ranges)
-    return start, owned
+    closed = filled = 0  # elements of the closed buckets (padded); of the open one
+    for pattern, repeats in reversed(groups):
+        closed, filled = _lay_out(pattern[::-1], repeats, closed, filled, bucket_size, divisor)
+    return closed + _round_up(filled, divisor)
+
+
+def _lay_out(pattern: list[int], repeats: int, closed: int, filled: int, bucket_size: int,
+             divisor: int) -> tuple[int, int]:
+    """Places ``pattern`` ``repeats`` times into the buffer; returns the new (closed, filled).
+
+    Closed form in ``repeats``: passes that close no bucket are skipped in one step, and once a bucket
+    closes at a parameter index seen before, the buckets since then repeat and are skipped as a whole."""
+    n, total = len(pattern), len(pattern) * repeats
+    period = sum(_round_up(numel, 64) for numel in pattern)
+    last_end = period - _round_up(pattern[-1], 64) + pattern[-1]  # where a pass's last parameter ends
+    remaining, seen = total, {}
+    while remaining:
+        index = (total - remaining) % n
+        if index == 0:
+            start = _round_up(filled, 64)
+            quiet = min(remaining // n, max(0, -(-(bucket_size - start - last_end) // period)))
+            if quiet:  # whole passes whose last parameter ends below the bucket size
+                filled, remaining = start + (quiet - 1) * period + last_end, remaining - quiet * n
+                continue
+        filled, remaining = _round_up(filled, 64) + pattern[index], remaining - 1
+        if filled >= bucket_size:
+            closed, filled = closed + _round_up(filled, divisor), 0
+            state = (total - remaining) % n
+            if state in seen:  # the same state again: the buckets since then repeat
+                used, added = seen[state][0] - remaining, closed - seen[state][1]
+                cycles = remaining // used
+                remaining, closed = remaining - cycles * used, closed + cycles * added
+            seen[state] = (remaining, closed)
+    return closed, filled
 
 
 @dataclass(frozen=True)
@@ -109,15 +116,20 @@ class StateBytes:
 
 
 def planned_state_bytes(model: ModelConfig, vocab_size: int, layout: Layout, *, bf16: bool,
-                        distributed_optimizer: bool, stage: int = 0) -> list[StateBytes]:
-    """The planned :class:`StateBytes` of each data-parallel rank of one tensor-parallel rank of ``stage``."""
-    numels = [n for _, n in parameter_shapes(model, vocab_size, layout.tensor, layout.pipeline, stage)]
+                        distributed_optimizer: bool, stage: int = 0) -> StateBytes:
+    """The planned :class:`StateBytes` of the busiest data-parallel rank of one tensor-parallel rank of ``stage``.
+
+    The distributed optimizer gives each data x context-parallel rank one equal shard of the padded
+    buffer and keeps state for the parameter elements in it: the busiest rank is planned at a whole
+    shard, or at every parameter when the buffer holds less than one shard of them. That is exact
+    unless every rank's shard holds some of Megatron's padding (under 64 elements per parameter)."""
+    groups = parameter_groups(model, vocab_size, layout.tensor, layout.pipeline, stage)
+    parameters = sum(sum(pattern) * repeats for pattern, repeats in groups)
     shards = layout.data * layout.context  # the distributed optimizer shards over data x context ranks
-    padded, owned = _buffer_layout(numels, shards, distributed_optimizer)
-    weight_size = 2 if bf16 else 4
-    weights = (padded if distributed_optimizer else sum(numels)) * weight_size
+    padded = _padded_buffer_elements(groups, shards) if distributed_optimizer else parameters
+    owned = min(padded // shards, parameters) if distributed_optimizer else parameters
     per_element = 8 + (4 if bf16 else 0)  # Adam's fp32 moments (+ fp32 master of a bf16 parameter)
-    return [StateBytes(weights, padded * 4, n * per_element) for n in owned]
+    return StateBytes(padded * (2 if bf16 else 4), padded * 4, owned * per_element)
 
 
 def state_bytes(engine) -> StateBytes:
@@ -199,10 +211,7 @@ def plan_memory(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_byte
                 bf16: bool = True, distributed_optimizer: bool = True, reserved: int = _CUDA_CONTEXT_BYTES) -> MemoryPlan:
     """The busiest rank's memory for ``model`` trained on ``layout`` (the first pipeline stage holds
     the most micro-batches in flight, the last the logits: both are taken at their worst)."""
-    states = [max(planned_state_bytes(model, vocab_size, layout, bf16=bf16, distributed_optimizer=distributed_optimizer,
-                                      stage=s), key=lambda b: b.weights + b.gradients + b.optimizer)
-              for s in range(layout.pipeline)]
-    state = max(states, key=lambda b: b.weights + b.gradients + b.optimizer)
+    state = _busiest_state(model, vocab_size, layout, bf16=bf16, distributed_optimizer=distributed_optimizer)
     tokens = model.seq_length * micro_batch_size // layout.context
     per_token = activation_bytes_per_token(model, vocab_size, bf16=bf16, tensor=layout.tensor)
     layers = model.num_layers // layout.pipeline
@@ -223,33 +232,81 @@ def plan_memory(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_byte
                       communication, reserved, total, gpu_bytes, layout)
 
 
+def _busiest_state(model: ModelConfig, vocab_size: int, layout: Layout, **options) -> StateBytes:
+    """The largest weights + gradients + optimizer state of any pipeline stage: the first (embedding),
+    the last (output layer) and, as every middle stage holds the same layers, one middle stage."""
+    stages = {0, layout.pipeline - 1, min(1, layout.pipeline - 1)}
+    return max((planned_state_bytes(model, vocab_size, layout, stage=stage, **options) for stage in stages),
+               key=lambda b: b.weights + b.gradients + b.optimizer)
+
+
+def fewest_recomputed_layers(model: ModelConfig, vocab_size: int, layout: Layout, **options) -> int | None:
+    """The fewest layers per stage that full recompute must cover for ``model`` to fit ``layout``, or
+    None when recomputing all of them is not enough. Solved in closed form: each recomputed layer saves
+    the same bytes."""
+    def plan(layers: int) -> MemoryPlan:
+        return plan_memory(replace(model, recompute="full", recompute_num_layers=layers), vocab_size, layout, **options)
+
+    per_stage = model.num_layers // layout.pipeline
+    one, every = plan(1), plan(per_stage)
+    if not every.fits:
+        return None
+    saved_per_layer = (one.total - every.total) / max(per_stage - 1, 1)
+    layers = 1 if one.fits else min(per_stage, 1 + math.ceil((one.total - one.gpu_bytes) / saved_per_layer))
+    while not plan(layers).fits:  # int() rounding of the byte counts can leave it one layer short
+        layers += 1
+    return layers
+
+
+_GPU_FACTORS = (1, 2, 4, 8, 16, 32, 64)
+_TENSOR_SIZES = (1, 2, 4, 8)  # tensor parallelism stays inside one 8-GPU node
+
+
 def suggest(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_bytes: int, micro_batch_size: int,
             bf16: bool, distributed_optimizer: bool) -> str | None:
-    """The smallest change that makes a plan that does not fit fit, in the order users try them."""
-    def fits(m: ModelConfig, lay: Layout) -> bool:
-        return plan_memory(m, vocab_size, lay, gpu_bytes=gpu_bytes, micro_batch_size=micro_batch_size, bf16=bf16,
-                           distributed_optimizer=distributed_optimizer).fits
-
-    layers = model.num_layers // layout.pipeline
-    if model.recompute != "full":
-        for n in range(1, layers + 1):
-            if fits(replace(model, recompute="full", recompute_num_layers=n), layout):
-                return f"model.recompute=full model.recompute_num_layers={n}"
-    full = replace(model, recompute="full", recompute_num_layers=None)
-    for name, key in (("tensor", "model.tensor_model_parallel_size"), ("context", "model.context_parallel_size")):
-        for size in (2, 4, 8):
-            bigger = replace(layout, **{name: size * getattr(layout, name)})
-            if bigger.data >= 1 and layout.gpus % (bigger.tensor * bigger.pipeline * bigger.context) == 0:
-                if fits(replace(model, **{"tensor_model_parallel_size" if name == "tensor" else "context_parallel_size":
-                                          getattr(bigger, name)}), bigger):
-                    return f"{key}={getattr(bigger, name)}"
-                if fits(full, bigger):
-                    return f"model.recompute=full and {key}={getattr(bigger, name)}"
-    for gpus in (2, 4, 8, 16, 32, 64):
-        more = replace(layout, gpus=layout.gpus * gpus, context=layout.context * gpus)
-        if fits(full, more):
-            return (f"{more.gpus} GPUs with model.context_parallel_size={more.context} and model.recompute=full")
+    """The smallest change that makes a plan that does not fit fit, in the order users try them: full
+    recompute of the fewest layers; then, on the same GPUs and up to 64x as many, every tensor x
+    context parallel layout the model allows, first as it is, then with the fewest recomputed layers."""
+    options = dict(gpu_bytes=gpu_bytes, micro_batch_size=micro_batch_size, bf16=bf16,
+                   distributed_optimizer=distributed_optimizer)
+    if model.recompute != "full" or model.recompute_num_layers is not None:
+        layers = fewest_recomputed_layers(model, vocab_size, layout, **options)
+        if layers is not None and (model.recompute != "full" or layers > model.recompute_num_layers):
+            return f"model.recompute=full model.recompute_num_layers={layers}"
+    for factor in _GPU_FACTORS:
+        for candidate, bigger in _layouts(model, layout, layout.gpus * factor):
+            if plan_memory(candidate, vocab_size, bigger, **options).fits:
+                return _describe(layout, bigger)
+            layers = fewest_recomputed_layers(candidate, vocab_size, bigger, **options)
+            if layers is not None:
+                return _describe(layout, bigger, f"model.recompute=full model.recompute_num_layers={layers}")
     return None
+
+
+def _describe(layout: Layout, bigger: Layout, *more: str) -> str:
+    """The overrides that turn ``layout`` into ``bigger``, after the GPU count when it grows."""
+    change = [f"model.tensor_model_parallel_size={bigger.tensor}"] * (bigger.tensor != layout.tensor)
+    change += [f"model.context_parallel_size={bigger.context}"] * (bigger.context != layout.context)
+    change += more
+    if bigger.gpus == layout.gpus:
+        return " ".join(change)
+    return f"{bigger.gpus} GPUs" + (f" with {' '.join(change)}" if change else f" (data parallel {bigger.data})")
+
+
+def _layouts(model: ModelConfig, layout: Layout, gpus: int):
+    """(model, layout) of every other tensor x context parallel split of ``gpus`` the model allows,
+    fewest tensor-parallel ranks first, then fewest context-parallel ranks."""
+    for tensor in _TENSOR_SIZES:
+        context = 1
+        while tensor * layout.pipeline * context <= gpus:
+            bigger = replace(layout, gpus=gpus, tensor=tensor, context=context)
+            if (bigger != layout and gpus % (tensor * layout.pipeline * context) == 0
+                    and model.seq_length % (2 * context) == 0):
+                try:
+                    yield replace(model, tensor_model_parallel_size=tensor, context_parallel_size=context), bigger
+                except ValueError:  # the heads do not split over these ranks
+                    pass
+            context *= 2
 
 
 def saved_activation_bytes(model: torch.nn.Module, run) -> int:

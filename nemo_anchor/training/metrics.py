@@ -6,6 +6,7 @@ import os
 
 from tqdm.auto import tqdm
 
+from nemo_anchor.atomic import atomic_file
 from nemo_anchor.run_dir import RunDir
 
 
@@ -15,10 +16,8 @@ def _drop_rows_after(path: os.PathLike, step: int) -> None:
         return
     with open(path, encoding="utf-8") as handle:
         kept = [line for line in handle if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         handle.writelines(kept)
-    os.replace(tmp, path)
 
 
 class MetricsLogger:

@@ -1,0 +1,56 @@
+"""Checkpoints that cannot be trusted: a shard damaged after the save is detected by its checksum, and
+the resume falls back to the previous intact checkpoint, naming the file."""
+import json
+import os
+
+import pytest
+import yaml
+
+from nemo_anchor.cli import main
+from nemo_anchor.data import PackOptions, pack
+from nemo_anchor.run_dir import RunDir, checkpoint_step
+from nemo_anchor.training.checkpoint import CHECKSUMS
+
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4] * 8
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("robust_checkpoint")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    pack([corpus], "byte", root / "byte", PackOptions(seq_length=64))
+    return root / "byte"
+
+
+def train(tmp_path, data_path, *overrides):
+    config = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2,
+                  "num_query_groups": 1, "seq_length": 64},
+        "data": {"path": str(data_path)},
+        "trainer": {"max_steps": 4, "global_batch_size": 1, "micro_batch_size": 1, "precision": "fp32",
+                    "progress_bar": False},
+        "checkpoint": {"save_every": 2, "keep_last": 2},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return main(["train", "--config", str(path), *overrides])
+
+
+def test_a_shard_overwritten_with_same_size_garbage_falls_back_to_the_previous_checkpoint(data, tmp_path, capsys):
+    assert train(tmp_path, data) == 0
+    run = RunDir(tmp_path / "run")
+    previous, latest = run.list_checkpoints()
+    sums = json.loads((latest / CHECKSUMS).read_text())
+    on_disk = {str(p.relative_to(latest)) for p in latest.rglob("*") if p.is_file()} - {CHECKSUMS}
+    assert set(sums) == on_disk  # every file of the checkpoint, the shards, the index and config.yaml
+    shard = max((latest / name for name in sums if name.endswith(".distcp")), key=lambda p: p.stat().st_size)
+    shard.write_bytes(os.urandom(shard.stat().st_size))  # same size: a size check cannot see it
+    capsys.readouterr()
+
+    assert train(tmp_path, data, "trainer.max_steps=6") == 0
+    out = capsys.readouterr().out
+    assert f"warning: cannot resume from {latest.name}: {shard} is corrupt" in out
+    assert f"resumed from {previous} at step {checkpoint_step(previous)}" in out
+    assert [checkpoint_step(p) for p in run.list_checkpoints()] == [4, 6]  # steps 3-4 retrained and saved again
