@@ -42,7 +42,7 @@ class OutputError(ValueError):
 
 
 def check_output(target: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (), *,
-                 overwrite: bool = False, command: str) -> Path:
+                 overwrite: bool = False, command: str = "") -> Path:
     """Refuse an output that would lose data or cannot be written; returns its absolute path.
 
     Raises:
@@ -124,7 +124,7 @@ def _listing(directory: Path) -> list[str]:
 
 @contextlib.contextmanager
 def atomic_directory(target: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (),
-                     overwrite: bool, command: str) -> Iterator[Path]:
+                     overwrite: bool = False, command: str = "") -> Iterator[Path]:
     """Yield an empty staging directory beside ``target``; it becomes ``target`` only if the block succeeds.
 
     ``target`` is checked first (:func:`check_output` with ``inputs``). On success :data:`MARKER`

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_anchor.atomic import OutputError, atomic_file, check_not_an_input, written_by
+from nemo_anchor.atomic import OutputError, atomic_file, check_not_an_input, write_faults_named, written_by
 from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
@@ -149,11 +149,12 @@ class Trainer:
         claim, refusal = None, [None]
         if self.ctx.is_main:
             try:
-                claim = RunClaim(self.run)
-            except RunDirInUse as err:
+                with write_faults_named(self.run.root):  # a read-only or full disk names the run folder
+                    claim = RunClaim(self.run)
+            except (RunDirInUse, OutputError) as err:
                 refusal[0] = str(err)
             except OSError as err:
-                refusal[0] = f"cannot write in output_dir {self.run.root}: {err.strerror or err}"
+                refusal[0] = f"cannot write {self.run.root}: {err.strerror or err}"
         dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
             raise RunDirInUse(refusal[0])
