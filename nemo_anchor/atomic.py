@@ -5,9 +5,10 @@ The rules, the same for ``pack``, ``export-hf``, ``import-hf``, ``probe`` and ``
 - checked before anything is touched: an output that is, contains or lies inside one of the
   command's inputs is refused (naming both paths); so is an output whose parent is a file or
   cannot be written to, and an existing output unless ``--overwrite``;
-- ``--overwrite`` replaces only a directory this tool wrote and nobody changed since: each output
-  directory holds :data:`MARKER`, listing every path written into it. A directory without it, or
-  holding anything it does not list, is refused (an empty directory counts as absent);
+- ``--overwrite`` replaces only a directory the same subcommand wrote and nobody changed since: each
+  output directory holds :data:`MARKER`, naming the subcommand and listing every path written into
+  it. A directory without it, written by another subcommand (``export-hf --overwrite`` over a packed
+  dataset), or holding anything it does not list, is refused (an empty directory counts as absent);
 - the new output is built in a hidden staging directory next to the target and renamed into place,
   so a failure leaves the earlier output (or nothing) behind, never half of one; a full disk, an
   exceeded quota, a read-only file system or a folder without write permission is reported as one
@@ -41,14 +42,32 @@ class OutputError(ValueError):
 
 
 def check_output(target: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (), *,
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, command: str = "") -> Path:
     """Refuse an output that would lose data or cannot be written; returns its absolute path.
 
     Raises:
         OutputError: the output is, contains or lies inside an input; its parent is not a writable
             directory; it exists and ``overwrite`` is False; or ``overwrite`` would replace
-            something this tool did not write.
+            something subcommand ``command`` of this tool did not write.
     """
+    check_not_an_input(target, inputs)
+    target = Path(os.path.abspath(target))
+    ancestor = next(path for path in (target.parent, *target.parent.parents) if path.exists())
+    if not ancestor.is_dir():
+        raise OutputError(f"cannot create output {target}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot create output {target}: no permission to write in {ancestor}")
+    if target.is_dir() and not any(target.iterdir()):
+        return target
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            raise OutputError(f"output {target} already exists: remove it or pass --overwrite")
+        _check_ours(target, command)
+    return target
+
+
+def check_not_an_input(target: str | os.PathLike, inputs: Iterable[str | os.PathLike | None]) -> None:
+    """OutputError when ``target`` is, contains or lies inside one of ``inputs`` (None entries are skipped)."""
     target = Path(os.path.abspath(target))
     real = target.resolve()
     for item in inputs:
@@ -61,29 +80,31 @@ def check_output(target: str | os.PathLike, inputs: Iterable[str | os.PathLike |
             raise OutputError(f"output {target} contains the input {item}: choose another output path")
         if source in real.parents:
             raise OutputError(f"output {target} lies inside the input {item}: choose another output path")
-    ancestor = next(path for path in (target.parent, *target.parent.parents) if path.exists())
-    if not ancestor.is_dir():
-        raise OutputError(f"cannot create output {target}: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot create output {target}: no permission to write in {ancestor}")
-    if target.is_dir() and not any(target.iterdir()):
-        return target
-    if target.exists() or target.is_symlink():
-        if not overwrite:
-            raise OutputError(f"output {target} already exists: remove it or pass --overwrite")
-        _check_ours(target)
-    return target
 
 
-def _check_ours(target: Path) -> None:
-    """OutputError unless ``target`` is a directory this tool wrote, holding only what it wrote."""
+def written_by(directory: str | os.PathLike) -> str | None:
+    """The subcommand whose output ``directory`` is (from its :data:`MARKER`), or None when it has none."""
+    try:
+        marker = json.loads((Path(directory) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return str(marker.get("command")) if isinstance(marker, dict) else None
+
+
+def _check_ours(target: Path, command: str) -> None:
+    """OutputError unless ``target`` is a directory ``nemo-anchor COMMAND`` wrote, holding only what it wrote."""
     if not target.is_dir() or target.is_symlink():
         raise OutputError(f"--overwrite refused: {target} is not a directory written by {_TOOL}; remove it yourself")
     try:
-        written = set(json.loads((target / MARKER).read_text())["files"])
+        marker = json.loads((target / MARKER).read_text())
+        written = set(marker["files"])
     except (OSError, ValueError, KeyError, TypeError):
         raise OutputError(f"--overwrite refused: {target} was not written by {_TOOL} (no readable {MARKER}); "
                           f"remove it yourself or choose another output path") from None
+    if marker.get("command") != command:
+        raise OutputError(f"--overwrite refused: {target} was written by `{_TOOL} {marker.get('command')}`, and "
+                          f"`{_TOOL} {command} --overwrite` replaces only its own kind of output; remove it "
+                          f"yourself or choose another output path")
     extra = sorted(set(_listing(target)) - written)
     if extra:
         raise OutputError(f"--overwrite refused: {target} holds {target / extra[0]}, which {_TOOL} did not write "
@@ -107,10 +128,10 @@ def atomic_directory(target: str | os.PathLike, *, inputs: Iterable[str | os.Pat
     """Yield an empty staging directory beside ``target``; it becomes ``target`` only if the block succeeds.
 
     ``target`` is checked first (:func:`check_output` with ``inputs``). On success :data:`MARKER`
-    records what was written and an earlier ``target`` is replaced; on any exception, SIGTERM
+    records ``command`` and what was written, and an earlier ``target`` is replaced; on any exception, SIGTERM
     included, the staging directory is removed and ``target`` is left as it was.
     """
-    target = check_output(target, inputs, overwrite=overwrite)
+    target = check_output(target, inputs, overwrite=overwrite, command=command)
     remove_stale_staging(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = _sibling(target, _STAGING)
@@ -173,14 +194,15 @@ def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
         if not name.startswith(prefix) or not name.endswith((_STAGING, _RETIRED)):
             continue
         parts = name[len(prefix):].rsplit(".", 3)  # host (may hold dots), pid, token, kind
-        if len(parts) != 4 or parts[0] != host or not parts[1].isdigit() or _alive(int(parts[1])):
+        if len(parts) != 4 or parts[0] != host or not parts[1].isdigit() or process_alive(int(parts[1])):
             continue
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         removed.append(path)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

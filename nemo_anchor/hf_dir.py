@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 CONFIG_FILE = "config.json"
 WEIGHTS_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -47,3 +48,56 @@ def unreadable_weights(path: Path) -> Path | None:
         except Exception:  # noqa: BLE001 - the Rust reader raises its own error types
             return file
     return None
+
+
+def read_hf_tensors(path: str | os.PathLike, names: Optional[set[str]] = None) -> dict:
+    """The tensors of the weights files of HF directory ``path`` (safetensors, else ``pytorch_model*.bin``),
+    all or those in ``names``, as stored: read directly, so nothing is initialised, dropped or reshaped.
+
+    Raises:
+        ValueError: no weights file, or one that cannot be read (named).
+    """
+    import torch
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise ValueError(f"{path}: no weights ({' or '.join(WEIGHTS_PATTERNS)}) next to {CONFIG_FILE}")
+    tensors = {}
+    for file in files:
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), framework="pt") as handle:
+                    tensors.update({name: handle.get_tensor(name) for name in handle.keys()
+                                    if names is None or name in names})
+            else:
+                loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                tensors.update({name: t for name, t in loaded.items() if names is None or name in names})
+        except Exception as error:  # noqa: BLE001 - the Rust reader and unpickling raise their own types
+            raise _unreadable(file, error) from None
+    return tensors
+
+
+def _unreadable(file: Path, error: BaseException) -> ValueError:
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    return ValueError(f"{file}: cannot read the weights ({type(error).__name__}: {first_line})")
+
+
+def hf_weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the weights of HF directory ``path``, from the safetensors headers
+    only (``pytorch_model*.bin`` files are memory-mapped)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return {name: tuple(tensor.shape) for name, tensor in read_hf_tensors(path).items()}
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+        except Exception as error:  # noqa: BLE001
+            raise _unreadable(file, error) from None
+    return shapes

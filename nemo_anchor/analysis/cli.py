@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     model_path = args.checkpoint or args.hf
     inputs = [model_path, *args.data]
-    check_output(args.output, inputs, overwrite=args.overwrite)  # before the model is loaded
+    check_output(args.output, inputs, overwrite=args.overwrite, command="probe")  # before the model is loaded
     results, metadata = run_probe(model_path, args.data, settings, device=args.device, text_key=args.text_key)
     left_out = sorted(set(settings.lengths) - set(metadata["logit_lengths"]))
     if left_out:

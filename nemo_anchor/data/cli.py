@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "a byte-level BPE on the training documents")
     io.add_argument("--seq-length", type=int, required=True, metavar="N", help="tokens per window (>= 2)")
     io.add_argument("--output", required=True, metavar="DIR", help="dataset directory to create")
-    io.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    io.add_argument("--overwrite", action="store_true",
+                    help="replace an output directory an earlier `nemo-anchor pack` wrote (nothing else)")
     io.add_argument("--text-key", default="text", help="text field of JSONL/Parquet records (default: text)")
     io.add_argument("--on-invalid-utf8", choices=ON_INVALID_UTF8, default="error",
                     help="stop at a document that is not valid UTF-8 (naming file and line), or skip it")

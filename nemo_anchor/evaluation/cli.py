@@ -88,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
     from nemo_anchor.evaluation.runner import evaluate_paths
 
     inputs = [args.checkpoint or args.hf, *args.perplexity_data]
-    check_output(args.output, inputs, overwrite=args.overwrite)  # before any model is loaded
+    check_output(args.output, inputs, overwrite=args.overwrite, command="eval")  # before any model is loaded
     if args.last_k is not None:
         if args.checkpoint is None:
             raise ValueError("--last-k needs --checkpoint OUTPUT_DIR (a training output_dir)")

@@ -2,7 +2,9 @@
 
 Two kinds of paths are accepted:
 - a Hugging Face directory (it holds ``config.json``): loaded with ``AutoModelForCausalLM`` and
-  ``AutoTokenizer`` from local files only;
+  ``AutoTokenizer`` from local files only. Its weights must be exactly those its config describes:
+  a tensor missing, unused or of another shape is refused (naming it, both shapes and the config
+  key) instead of being initialised at random or dropped;
 - anything else (a training ``output_dir`` or one of its checkpoint directories): handed to
   ``nemo_anchor.export.inference.load_hf_model``, which converts our checkpoints to the same kind
   of model. It is imported only then, so HF directories need nothing from the export package.
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_anchor.hf_dir import is_hf_dir, load_error
+from nemo_anchor.hf_dir import hf_weight_shapes, is_hf_dir, load_error, read_hf_tensors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,11 +40,18 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device:
     if is_hf_dir(path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        _check_hf_weights(path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                                  output_loading_info=True)
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as error:  # noqa: BLE001 - what transformers and safetensors raise varies by file
             raise load_error(path, error) from None
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+            if loading.get(kind):  # an architecture the check above does not map: transformers' own account
+                names = sorted(map(str, loading[kind]))
+                raise ValueError(f"{path}: the weights do not match {path / 'config.json'}: {kind.replace('_', ' ')} "
+                                 f"{names[:4]} ({len(names)} in all)")
     else:
         from nemo_anchor.export.inference import load_hf_model
 
@@ -50,3 +59,18 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device:
     if tokenizer is None:
         raise ValueError(f"no tokenizer found for the model at {path}")
     return model.to(device).eval(), tokenizer
+
+
+def _check_hf_weights(path: Path) -> None:
+    """For the families import-hf reads (Llama, Mistral, Qwen2), compare the weights' tensor names and shapes
+    (safetensors headers) with the config before transformers builds anything."""
+    from transformers import AutoConfig
+
+    from nemo_anchor.export.hf_mapping import check_hf_weights, model_config_from_hf
+
+    try:
+        config = model_config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    except Exception:  # noqa: BLE001 - another family or an unreadable config: from_pretrained names it
+        return
+    check_hf_weights(hf_weight_shapes(path), config, config.vocab_size, source=str(path),
+                     config_source=str(path / "config.json"), read=lambda names: read_hf_tensors(path, names))

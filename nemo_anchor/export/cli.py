@@ -17,7 +17,8 @@ def register(subparsers) -> None:
     export.add_argument("out_dir")
     export.add_argument("--dtype", choices=_DTYPES, default="float32",
                         help="dtype of the saved weights (default: float32, lossless from fp32 training)")
-    export.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace OUT_DIR if an earlier export-hf wrote it (nothing else)")
     export.set_defaults(func=run_export)
 
     imported = subparsers.add_parser(
@@ -27,7 +28,8 @@ def register(subparsers) -> None:
                     "(an HF directory works there directly too).")
     imported.add_argument("hf_dir")
     imported.add_argument("out")
-    imported.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    imported.add_argument("--overwrite", action="store_true",
+                          help="replace OUT if an earlier import-hf wrote it (nothing else)")
     imported.set_defaults(func=run_import)
 
     prepare = subparsers.add_parser(

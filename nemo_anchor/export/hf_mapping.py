@@ -18,7 +18,9 @@ the factor, so other values are refused. ``max_position_embeddings`` is the trai
 """
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+import re
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -221,3 +223,72 @@ def hf_to_megatron_state(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, so
                 get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), cfg)
         state[m + "mlp.linear_fc1.weight"] = torch.cat([get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")])
     return state
+
+
+# HF config keys that fix a tensor's shape along an axis; see hf_config_key
+_HF_AXIS_KEYS = {
+    "embed_tokens": ("vocab_size", "hidden_size"), "lm_head": ("vocab_size", "hidden_size"),
+    "q_proj": ("num_attention_heads x head_dim", "hidden_size"),
+    "k_proj": ("num_key_value_heads x head_dim", "hidden_size"),
+    "v_proj": ("num_key_value_heads x head_dim", "hidden_size"),
+    "o_proj": ("hidden_size", "num_attention_heads x head_dim"),
+    "gate_proj": ("intermediate_size", "hidden_size"), "up_proj": ("intermediate_size", "hidden_size"),
+    "down_proj": ("hidden_size", "intermediate_size"),
+    "layernorm": ("hidden_size",), "norm": ("hidden_size",),
+}
+_HF_IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved; recomputed from the config
+
+
+def hf_expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the HF ``state_dict`` of ``cfg`` with its shape (``lm_head.weight`` included)."""
+    from nemo_anchor.export.megatron_state import expected_shapes
+
+    meta = {name: torch.empty(shape, device="meta") for name, shape in expected_shapes(cfg, vocab_size).items()}
+    if cfg.architecture == "qwen2" and not cfg.qkv_bias:
+        cfg = dataclasses.replace(cfg, add_qkv_bias=True)  # exported with zero biases
+        meta.update({name: torch.empty(shape, device="meta")
+                     for name, shape in expected_shapes(cfg, vocab_size).items() if name.endswith("qkv.bias")})
+    return {name: tuple(t.shape) for name, t in megatron_to_hf_state(meta, cfg).items()}
+
+
+def hf_config_key(cfg: ModelConfig, vocab_size: int, source: str = "config.json") -> Callable:
+    """``explain(name, axis)`` for :func:`~nemo_anchor.export.weight_match.match_weights`: the config.json
+    key (and its value) that decides tensor ``name`` along ``axis`` (None: whether it exists)."""
+    values = {"vocab_size": vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+              "num_attention_heads x head_dim": f"{cfg.num_attention_heads} x {cfg.kv_channels}",
+              "num_key_value_heads x head_dim": f"{cfg.num_query_groups} x {cfg.kv_channels}"}
+
+    def explain(name: str, axis: Optional[int]) -> str:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if axis is None and layer is not None:
+            return f"{source} (num_hidden_layers={cfg.num_layers})"
+        if axis is None and name == "lm_head.weight":
+            return f"{source} (tie_word_embeddings={cfg.tie_embeddings})"
+        module = name.rsplit(".", 2)[-2]
+        keys = next((keys for part, keys in _HF_AXIS_KEYS.items() if module.endswith(part)), ())
+        if axis is None or axis >= len(keys):
+            return f"{source} ({cfg.architecture}, num_hidden_layers={cfg.num_layers})"
+        return f"{source} ({keys[axis]}={values[keys[axis]]})"
+
+    return explain
+
+
+def check_hf_weights(found: Mapping[str, tuple[int, ...]], cfg: ModelConfig, vocab_size: int, *, source: str,
+                     config_source: str = "config.json", read: Optional[Callable] = None) -> None:
+    """ValueError unless the HF tensors ``found`` (name -> shape) are exactly those ``cfg`` describes.
+
+    With tied embeddings an ``lm_head.weight`` in the weights is accepted only as a copy of
+    ``model.embed_tokens.weight``: ``read(names) -> {name: tensor}`` reads the two to compare.
+    """
+    from nemo_anchor.export.weight_match import match_weights
+
+    found = {name: shape for name, shape in found.items() if not name.endswith(_HF_IGNORED)}
+    expected = hf_expected_shapes(cfg, vocab_size)
+    if cfg.tie_embeddings:
+        del expected["lm_head.weight"]
+        if "lm_head.weight" in found and read is not None and found["lm_head.weight"] == found.get(
+                "model.embed_tokens.weight"):
+            pair = read({"lm_head.weight", "model.embed_tokens.weight"})
+            if torch.equal(pair["lm_head.weight"], pair["model.embed_tokens.weight"]):
+                found = {name: shape for name, shape in found.items() if name != "lm_head.weight"}
+    match_weights(found, expected, source=source, explain=hf_config_key(cfg, vocab_size, config_source))

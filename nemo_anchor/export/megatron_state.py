@@ -81,19 +81,46 @@ def expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, .
 
 
 def check_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int, *, source: str) -> None:
-    """ValueError naming the first missing, unexpected or mis-shaped tensors of a canonical state."""
-    expected = expected_shapes(cfg, vocab_size)
-    extra = set(state) - set(expected)
+    """ValueError naming the first mismatched, missing or unused tensor of a canonical state
+    (:func:`~nemo_anchor.export.weight_match.match_weights`), with both shapes and the config key."""
+    from nemo_anchor.export.weight_match import match_weights
+
+    found = {key: tuple(value.shape) for key, value in state.items()}
     if cfg.tie_embeddings:
-        extra.discard("output_layer.weight")  # some writers keep the tied copy
-    missing = [k for k in expected if k not in state]
-    if missing or extra:
-        raise ValueError(f"{source}: weights do not match the model config "
-                         f"(missing {missing[:4]}, unexpected {sorted(extra)[:4]})")
-    for key, shape in expected.items():
-        if tuple(state[key].shape) != shape:
-            raise ValueError(f"{source}: {key} has shape {tuple(state[key].shape)}, the model config "
-                             f"expects {shape}")
+        found.pop("output_layer.weight", None)  # some writers keep the tied copy
+    match_weights(found, expected_shapes(cfg, vocab_size), source=source, explain=_config_key(cfg, vocab_size))
+
+
+# model config keys that fix a canonical tensor's shape along each axis
+_AXIS_KEYS = {
+    "word_embeddings": ("vocab_size", "hidden_size"), "output_layer": ("vocab_size", "hidden_size"),
+    "linear_qkv": ("(num_attention_heads + 2 x num_query_groups) x kv_channels", "hidden_size"),
+    "linear_proj": ("hidden_size", "num_attention_heads x kv_channels"),
+    "linear_fc1": ("2 x ffn_hidden_size", "hidden_size"), "linear_fc2": ("hidden_size", "ffn_hidden_size"),
+    "layernorm": ("hidden_size",),
+}
+
+
+def _config_key(cfg: ModelConfig, vocab_size: int):
+    """``explain(name, axis)``: the model config key (and value) deciding a canonical tensor's shape."""
+    values = {"vocab_size": vocab_size, "hidden_size": cfg.hidden_size,
+              "(num_attention_heads + 2 x num_query_groups) x kv_channels":
+                  f"({cfg.num_attention_heads} + 2 x {cfg.num_query_groups}) x {cfg.kv_channels}",
+              "num_attention_heads x kv_channels": f"{cfg.num_attention_heads} x {cfg.kv_channels}",
+              "2 x ffn_hidden_size": f"2 x {cfg.ffn_hidden_size}", "ffn_hidden_size": cfg.ffn_hidden_size}
+
+    def explain(name: str, axis: int | None) -> str:
+        if axis is None and _LAYER_KEY.match(name):
+            return f"the model config (num_layers={cfg.num_layers})"
+        if axis is None and name == "output_layer.weight":
+            return f"the model config (tie_embeddings={cfg.tie_embeddings})"
+        module = name.rsplit(".", 2)[-2]
+        keys = next((keys for part, keys in _AXIS_KEYS.items() if module.endswith(part)), ())
+        if axis is None or axis >= len(keys):
+            return f"the model config ({cfg.architecture}, add_qkv_bias={cfg.qkv_bias})"
+        return f"the model config ({keys[axis]}={values[keys[axis]]})"
+
+    return explain
 
 
 def split_qkv(fused: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,9 +23,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nemo_anchor.export.hf_mapping import hf_to_megatron_state, model_config_from_hf
+from nemo_anchor.export.hf_mapping import check_hf_weights, hf_to_megatron_state, model_config_from_hf
 from nemo_anchor.export.megatron_state import canonical_state, check_state
-from nemo_anchor.hf_dir import CONFIG_FILE, is_hf_dir, load_error
+from nemo_anchor.hf_dir import CONFIG_FILE, is_hf_dir, read_hf_tensors
 from nemo_anchor.model.config import ModelConfig
 
 HF = "huggingface"
@@ -86,11 +86,11 @@ def _read_huggingface(path: Path) -> LoadedCheckpoint:
         config = model_config_from_hf(hf_config, source=str(source))
     except (AttributeError, TypeError, KeyError) as err:  # a field of another family, absent or of another type
         raise ValueError(f"{source}: not a supported config ({type(err).__name__}: {err})") from None
-    try:
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError is a plain Exception
-        raise load_error(path, err) from None
-    state = hf_to_megatron_state(hf_model.state_dict(), config, source=str(path))
+    tensors = read_hf_tensors(path)
+    check_hf_weights({name: tuple(t.shape) for name, t in tensors.items()}, config, config.vocab_size,
+                     source=str(path), config_source=str(source), read=lambda names: tensors)
+    tensors = {name: t.to(torch.float32) for name, t in tensors.items()}
+    state = hf_to_megatron_state(tensors, config, source=str(path))
     return _checked(path, HF, config, state, find_tokenizer_dir(path))
 
 

@@ -1,12 +1,19 @@
 """``nemo-anchor train --config FILE [key=value ...]`` (also ``torchrun ... scripts/pretrain.py``) and
-``nemo-anchor plan --config FILE --gpus N --gpu-memory GIB``: the per-GPU memory of that run."""
+``nemo-anchor plan --config FILE --gpus N --gpu-memory GIB``: the per-GPU memory of that run.
+
+A user error (a bad key or value, data that does not fit, a refused resume, an output_dir in use)
+is one line from rank 0, ``nemo-anchor train: error: ...``, and exit status 2 on every rank.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict
+
+EXIT_USER_ERROR = 2  # as argparse exits on a bad command line
 
 
 def register(subparsers) -> None:
@@ -15,6 +22,7 @@ def register(subparsers) -> None:
         description="Train from a YAML config. Run it again with the same output_dir to resume. "
                     "Under torchrun every process runs this same command.")
     add_arguments(parser)
+    add_train_arguments(parser)
     parser.set_defaults(func=run)
 
     plan = subparsers.add_parser(
@@ -56,14 +64,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OmegaConf dotlist overrides, e.g. model.attention_type=anchor trainer.max_steps=10")
 
 
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-change", metavar="KEY[,KEY...]", default=None,
+                        help="config keys a resume may change on purpose (LR schedule, trainer.global_batch_size, "
+                             "optim.clip_grad), e.g. optim.lr,trainer.global_batch_size; any other change of the run "
+                             "is refused (sets checkpoint.allow_change)")
+
+
 def run(args: argparse.Namespace) -> int:
-    """0 when training reached trainer.max_steps; EXIT_INTERRUPTED after a SIGTERM/SIGINT (checkpoint saved)."""
+    """0 when training reached trainer.max_steps; EXIT_INTERRUPTED after a SIGTERM/SIGINT (checkpoint saved);
+    EXIT_USER_ERROR after a user error, printed as one line by rank 0."""
+    import torch.distributed as dist
+
+    try:
+        return _train(args)
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as err:
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank meets the same error; one says it
+            message = " ".join(str(err).split())  # one line, whatever the library's message looked like
+            print(f"nemo-anchor train: error: {message}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return EXIT_USER_ERROR
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from nemo_anchor.training.config import load_config
     from nemo_anchor.training.loop import EXIT_INTERRUPTED, train
 
-    summary = train(load_config(args.config, args.overrides))
+    overrides = list(args.overrides)
+    if args.allow_change:
+        keys = [key.strip() for key in args.allow_change.split(",") if key.strip()]
+        overrides.append(f"checkpoint.allow_change=[{','.join(keys)}]")
+    summary = train(load_config(args.config, overrides))
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({"summary": asdict(summary)}, indent=2))
     if dist.is_initialized():
@@ -140,4 +174,5 @@ def format_plan(plan, name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pretrain.py", description=__doc__)
     add_arguments(parser)
+    add_train_arguments(parser)
     return run(parser.parse_args(argv))

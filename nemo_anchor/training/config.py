@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.training.resume import check_allow_list
 
 
 @dataclass
@@ -58,6 +59,9 @@ class CheckpointConfig:
     save_every: int = 0  # 0: only at the end (and on SIGTERM)
     keep_last: int = 2
     resume: bool = True  # resume from output_dir's latest checkpoint when there is one
+    # keys a resume may change on purpose (nemo_anchor.training.resume.ALLOWABLE), e.g. [optim.lr]; other
+    # changes to the run are refused. CLI: nemo-anchor train --allow-change optim.lr,trainer.global_batch_size
+    allow_change: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +97,7 @@ class RunConfig:
             bad("optim.lr", o.lr, f"need lr > 0 and 0 <= min_lr ({o.min_lr}) <= lr")
         if not 0 <= o.beta1 < 1 or not 0 <= o.beta2 < 1:
             bad("optim.beta1/beta2", (o.beta1, o.beta2), "must lie in [0, 1)")
+        check_allow_list(self.checkpoint.allow_change)
         if self.checkpoint.keep_last < 1:
             bad("checkpoint.keep_last", self.checkpoint.keep_last, "must be >= 1")
         cp = self.model.context_parallel_size

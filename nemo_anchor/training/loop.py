@@ -4,7 +4,9 @@ One process or many under torchrun: tensor x pipeline x context x data parallel,
 DDP, distributed optimizer and schedules (:mod:`nemo_anchor.training.engine`). The loss of a step
 is the mean over every loss token of the global batch, so every parallel layout reproduces the
 single-process loss. Everything a run reads is checked before anything in ``output_dir`` is
-written; a resumed run continues from the newest intact checkpoint.
+written; a resumed run continues from the newest intact checkpoint, with the same model and data
+(:mod:`nemo_anchor.training.resume`); one run writes into an ``output_dir`` at a time
+(:class:`~nemo_anchor.run_dir.RunClaim`).
 """
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_anchor.atomic import atomic_file
+from nemo_anchor.atomic import OutputError, atomic_file, check_not_an_input, write_faults_named, written_by
 from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
-from nemo_anchor.run_dir import RunDir, checkpoint_step
+from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, checkpoint_step, read_run_config
 from nemo_anchor.training import checkpoint as ckpt
-from nemo_anchor.training import memory, throughput
+from nemo_anchor.training import memory, resume, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
 from nemo_anchor.training.engine import Engine, build_engine, parameters_gathered, run_microbatches, train_step
 from nemo_anchor.training.metrics import MetricsLogger
@@ -67,12 +69,22 @@ class _StopRequest:
 
 
 class Trainer:
+    """One training run in ``config.output_dir``; ``fit()`` trains to ``trainer.max_steps``.
+
+    Start-up reads and checks everything before writing: the output is none of the inputs, the data
+    and tokenizers agree, and a resumed checkpoint's config allows the new one
+    (:mod:`nemo_anchor.training.resume`). Then rank 0 takes the output_dir's lock
+    (:class:`~nemo_anchor.run_dir.RunClaim`), held until ``fit()`` returns; a fresh run that fails
+    before its first checkpoint leaves no folder behind.
+    """
+
     def __init__(self, config: RunConfig):
         self.config = config
         self.run = RunDir(config.output_dir)
         m, t = config.model, config.trainer
         if t.num_threads:
             torch.set_num_threads(t.num_threads)
+        self._check_output_dir()
         self.dataset, self.valid, vocab_size = self._open_data()
         self.ctx: ParallelContext = initialize_parallel(
             m.context_parallel_size, seed=t.seed, tensor_parallel_size=m.tensor_model_parallel_size,
@@ -83,16 +95,32 @@ class Trainer:
                 f"trainer.global_batch_size={t.global_batch_size} must be a multiple of trainer.micro_batch_size x "
                 f"data-parallel size = {t.micro_batch_size} x {self.ctx.data_parallel_size}")
         self.config.model.vocab_size = vocab_size
+        self.data_fingerprint = resume.dataset_fingerprint(config.data.path)
+        self._claim = self._claim_output_dir()
+        try:
+            self._start()
+        except BaseException:
+            self._release(failed=True)
+            raise
+
+    def _start(self) -> None:
+        config, t = self.config, self.config.trainer
         resume_from = ckpt.pick_resumable(self.run, self._say) if config.checkpoint.resume else None
+        schedule_from_config = resume_from is not None and self._check_resume(resume_from)
         start_from = None if resume_from else self._starting_weights()
         torch.manual_seed(t.seed)
-        self.engine: Engine = build_engine(config, self.ctx, vocab_size, self._initializer(start_from))
+        self.engine: Engine = build_engine(config, self.ctx, config.model.vocab_size, self._initializer(start_from))
         self.sampler = WindowSampler(len(self.dataset), seed=t.seed, shuffle=config.data.shuffle)
         self.step = 0
         self.resumed_from = None
         if resume_from is not None:  # before anything is written: a checkpoint that does not fit fails here
-            state = ckpt.load_checkpoint(resume_from, self.engine)
-            self.sampler.load_state_dict(state["sampler"])
+            with self._schedule_kept(schedule_from_config):
+                state = ckpt.load_checkpoint(resume_from, self.engine)
+            try:
+                self.sampler.load_state_dict(state["sampler"])
+            except ValueError as err:
+                raise resume.ResumeRefused(f"cannot resume {resume_from} on data.path={config.data.path}: {err}") \
+                    from None
             self.step = int(state["step"])
             self.resumed_from = resume_from
         self.config_yaml = to_yaml(self.config)
@@ -107,6 +135,71 @@ class Trainer:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(message, flush=True)
 
+    def _check_output_dir(self) -> None:
+        """An output is never one of the run's inputs, nor another command's output (a packed dataset...)."""
+        cfg = self.config
+        check_not_an_input(cfg.output_dir, [cfg.data.path, cfg.data.valid_path, cfg.model.init_from_hf])
+        kind = written_by(cfg.output_dir)
+        if kind is not None and kind != "import-hf":  # import-hf writes a run directory to train in
+            raise OutputError(f"output_dir {self.run.root} holds the output of `nemo-anchor {kind}`, not a training "
+                              f"run: choose another output_dir")
+
+    def _claim_output_dir(self) -> RunClaim | None:
+        """Rank 0 takes the output_dir's lock; every rank learns whether it got it."""
+        claim, refusal = None, [None]
+        if self.ctx.is_main:
+            try:
+                with write_faults_named(self.run.root):  # a read-only or full disk names the run folder
+                    claim = RunClaim(self.run)
+            except (RunDirInUse, OutputError) as err:
+                refusal[0] = str(err)
+            except OSError as err:
+                refusal[0] = f"cannot write {self.run.root}: {err.strerror or err}"
+        dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise RunDirInUse(refusal[0])
+        return claim
+
+    def _release(self, *, failed: bool) -> None:
+        if self._claim is not None:
+            self._claim.release(failed=failed)
+            self._claim = None
+
+    def _check_resume(self, checkpoint: Path) -> bool:
+        """Refuse a resume that changes the run; report what changes; True when the new LR schedule applies."""
+        from omegaconf import OmegaConf
+
+        allow = list(self.config.checkpoint.allow_change)
+        saved = OmegaConf.to_container(read_run_config(checkpoint))
+        new = OmegaConf.to_container(OmegaConf.structured(self.config))
+        changed = resume.compare(checkpoint, saved, new, allow, _saved_data_fingerprint(checkpoint),
+                                 self.data_fingerprint)
+        changed.pop("output_dir", None)
+        if changed:
+            self._say(f"resuming {checkpoint.name} with " + ", ".join(f"{key}: {before!r} -> {after!r}"
+                                                                     for key, (before, after) in changed.items()))
+        override = resume.overrides_schedule(changed, allow)
+        if "trainer.max_steps" in changed and not override and self.config.optim.schedule != "constant":
+            self._say("note: the learning rate keeps the checkpoint's schedule (decay over its steps); pass "
+                      "--allow-change trainer.max_steps to decay over the new trainer.max_steps")
+        return override
+
+    @contextlib.contextmanager
+    def _schedule_kept(self, from_config: bool):
+        """While a checkpoint loads: with ``from_config``, the LR schedule stays the new config's, as Megatron-LM's
+        --override-opt-param-scheduler keeps it (the scheduler's values, and the param groups' max_lr/min_lr,
+        which the optimizer's state would bring back)."""
+        if not from_config:
+            yield
+            return
+        scheduler, groups = self.engine.scheduler, self.engine.optimizer.param_groups
+        scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
+        bounds = [{key: group[key] for key in ("max_lr", "min_lr") if key in group} for group in groups]
+        yield
+        for group, kept in zip(self.engine.optimizer.param_groups, bounds):
+            group.update(kept)
+        scheduler.step(0)  # this step's lr and weight decay from the new schedule
+
     def _open_data(self) -> tuple[PackedDataset, PackedDataset | None, int]:
         """Open and check every dataset the run reads; returns (train, valid or None, vocabulary size)."""
         cfg = self.config
@@ -118,6 +211,11 @@ class Trainer:
         if valid is not None and valid.seq_length != train.seq_length:
             raise ValueError(f"data.valid_path={cfg.data.valid_path} has windows of {valid.seq_length} tokens, "
                              f"data.path has {train.seq_length}: pack both with the same --seq-length")
+        for dataset, key in ((train, "data.path"), (valid, "data.valid_path")):
+            recorded = dataset.metadata.get("vocab_size") if dataset is not None else None
+            if recorded is not None and recorded != dataset.tokenizer.vocab_size:
+                raise ValueError(f"{key}={dataset.path}: metadata.json says vocab_size={recorded} but its tokenizer/ "
+                                 f"has {dataset.tokenizer.vocab_size} tokens: the dataset is inconsistent; repack it")
         vocab_size = cfg.model.vocab_size or padded_vocab_size(train.tokenizer.vocab_size,
                                                                cfg.model.tensor_model_parallel_size)
         self._check_tokenizers(train, valid)
@@ -181,9 +279,16 @@ class Trainer:
     def train_step(self) -> dict:
         t = self.config.trainer
         windows = self.sampler.next_global_batch(t.global_batch_size)
-        batches = [self._load(self.dataset, micro) for micro in
-                   rank_microbatches(windows, t.micro_batch_size, self.ctx.data_parallel_rank,
-                                     self.ctx.data_parallel_size)]
+        try:
+            batches, unreadable = [self._load(self.dataset, micro) for micro in
+                                   rank_microbatches(windows, t.micro_batch_size, self.ctx.data_parallel_rank,
+                                                     self.ctx.data_parallel_size)], None
+        except ValueError as err:  # a corrupt window: every rank stops, not only the one that read it
+            batches, unreadable = None, str(err)
+        if self._agree(unreadable is not None):
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, unreadable)
+            raise ValueError(next(message for message in messages if message is not None))
         record = train_step(self.engine, self.config, batches)
         self.step += 1
         flops = throughput.global_batch_flops(self.config.model, self.config.model.vocab_size, self.dataset, windows)
@@ -206,13 +311,23 @@ class Trainer:
         return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
     def save(self) -> Path:
-        state = {"step": self.step, "sampler": self.sampler.state_dict()}
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_fingerprint}
         with parameters_gathered(self.engine):
             return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
                                         self.config.checkpoint.keep_last, self.config.checkpoint.save_every)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:
+        """Train to ``trainer.max_steps`` (or a SIGTERM/SIGINT); the output_dir's lock is released at the end."""
+        try:
+            summary = self._fit()
+        except BaseException:
+            self._release(failed=True)
+            raise
+        self._release(failed=False)
+        return summary
+
+    def _fit(self) -> TrainSummary:
         t, c = self.config.trainer, self.config.checkpoint
         logger = MetricsLogger(self.run, total_steps=t.max_steps, start_step=self.step,
                                enabled=self.ctx.is_main, progress_bar=t.progress_bar)
@@ -286,6 +401,14 @@ class Trainer:
         value = torch.tensor([int(flag)], device=self.ctx.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
+
+
+def _saved_data_fingerprint(checkpoint: Path) -> str | None:
+    """The dataset fingerprint a checkpoint's training state records (None: saved before they were)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(checkpoint)) or {}
+    return common.get("train", {}).get("data")
 
 
 def padded_vocab_size(tokenizer_vocab: int, tensor_parallel_size: int) -> int:
