@@ -103,7 +103,10 @@ def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, 
     Gradients are reduced and divided by the global token count inside, via ``finalize_model_grads``.
     """
     cp_group = parallel_state.get_context_parallel_group() if config.model.context_parallel_size > 1 else None
-    tokens_per_microbatch = batches[0]["tokens"].numel()
+    # Megatron's schedules take the full micro-batch length and divide it by the context- (and, with
+    # sequence parallelism, tensor-) parallel size for the pipeline's send/recv shapes; batches hold
+    # this context-parallel rank's share of the packed tokens
+    tokens_per_microbatch = batches[0]["tokens"].numel() * config.model.context_parallel_size
     with bf16_matmuls_in_fp32(config.trainer.precision, batches[0]["tokens"].device):
         reported = get_forward_backward_func()(
             forward_step_func=functools.partial(_forward_step, config.model.attention_type, cp_group),
