@@ -120,6 +120,7 @@ def _nemo2_tokenizer_dir(context: Path, tokenizer: Optional[dict]) -> Optional[P
 
 def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
     from nemo_anchor.run_dir import read_run_config, resolve_checkpoint, run_dir_of
+    from nemo_anchor.training.optimizer_state import MASTER_PREFIX
 
     ckpt_dir = resolve_checkpoint(path)
     source = ckpt_dir / "config.yaml"
@@ -129,6 +130,8 @@ def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
     except OmegaConfBaseException as err:
         raise ValueError(f"{source}: invalid model section: {err.msg} (key: model.{err.full_key})") from None
     tensors = read_dist_checkpoint(ckpt_dir, prefix="model.")
+    # a bf16 run saves bf16 parameters; their fp32 masters are in the optimizer state
+    tensors.update(read_dist_checkpoint(ckpt_dir, prefix=f"{MASTER_PREFIX}model.", required=False))
     state = canonical_state(tensors, config.num_layers, source=str(ckpt_dir))
     # layout: OUTPUT_DIR/checkpoints/iter_NNNNNNN, tokenizer in OUTPUT_DIR/tokenizer
     return _checked(ckpt_dir, NEMO_ANCHOR, config, state, find_tokenizer_dir(run_dir_of(ckpt_dir).tokenizer))
@@ -148,8 +151,9 @@ def find_tokenizer_dir(path: Path) -> Optional[Path]:
     return path if any((path / name).is_file() for name in _TOKENIZER_FILES) else None
 
 
-def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor under ``prefix`` of a Megatron ``dist_checkpointing`` directory, whole, prefix removed."""
+def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str, required: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` of a Megatron ``dist_checkpointing`` directory, whole, prefix removed
+    (none: ValueError, or ``{}`` when not ``required``)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -161,6 +165,8 @@ def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str) -> dict[str, torch.Tens
     try:
         metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
         wanted = {key: sharded for key, sharded in metadata.items() if key.startswith(prefix)}
+        if not wanted and not required:
+            return {}
         if not wanted:
             found = sorted({key.split(".")[0] + "." for key in metadata})
             raise ValueError(f"{ckpt_dir}: no tensors under '{prefix}' (found prefixes {found})")

@@ -28,6 +28,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 from nemo_anchor.model.gpt import build_gpt_model
 from nemo_anchor.model.packed_seq import make_packed_seq_params
@@ -75,7 +76,17 @@ def build_engine(config: RunConfig, ctx: ParallelContext, vocab_size: int,
         wd_incr_steps=t.max_steps, wd_incr_style="constant")
     gpt.config.finalize_model_grads_func = finalize_model_grads
     gpt.config.no_sync_func = model.no_sync
+    gpt.config.variable_seq_lengths = _variable_microbatch_length(config)
     return Engine(model, optimizer, scheduler)
+
+
+def _variable_microbatch_length(config: RunConfig) -> bool:
+    """True when pipeline stages must send each activation's shape ahead of it (Megatron's
+    ``variable_seq_lengths``): context parallelism pads every document of a per-document layout
+    to a multiple of 2 x its size, so micro-batches differ in length."""
+    m = config.model
+    return (m.pipeline_model_parallel_size > 1 and m.context_parallel_size > 1
+            and get_attention_type(m.attention_type).rope_restarts != "window")
 
 
 def _forward_step(attention_type: str, cp_group, data_iterator: Iterator[dict], model):
