@@ -63,7 +63,7 @@ def _vocab_size(config) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     from nemo_anchor.training.config import load_config
-    from nemo_anchor.training.memory import GIB, Layout, plan_memory, suggest
+    from nemo_anchor.training.memory import GIB, Layout, checkpoint_peak, plan_memory, suggest
 
     config = load_config(args.config, args.overrides)
     m, t = config.model, config.trainer
@@ -78,10 +78,14 @@ def run_plan(args: argparse.Namespace) -> int:
     vocab = _vocab_size(config)
     plan = plan_memory(m, vocab, layout, **options)
     fix = None if plan.fits else suggest(m, vocab, layout, **options)
+    host = checkpoint_peak(m, vocab, layout, bf16=options["bf16"], distributed_optimizer=t.distributed_optimizer)
     if args.json:
-        print(json.dumps({**plan.as_dict(), "config": str(args.config), "suggestion": fix}, indent=2))
+        print(json.dumps({**plan.as_dict(), "config": str(args.config), "suggestion": fix,
+                          "checkpoint_host_bytes": asdict(host)}, indent=2))
     else:
         print(format_plan(plan, str(args.config)))
+        print(f"  host memory per process on top of training: checkpoint save {host.save / GIB:.2f} GiB, "
+              f"load {host.load / GIB:.2f} GiB, model.init_from_hf {host.init_from_hf / GIB:.2f} GiB")
         if not plan.fits:
             print(f"does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory:g} GiB; "
                   + (f"smallest change that fits: {fix}" if fix else "no change of recompute, tensor or context "
