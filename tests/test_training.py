@@ -8,9 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from nemo_anchor.cli import main as cli
+from nemo_anchor.export.sources import read_checkpoint
 from nemo_anchor.run_dir import RunDir, checkpoint_step, resolve_checkpoint
 from nemo_anchor.training.loop import EXIT_INTERRUPTED
 from nemo_anchor.training.config import load_config
@@ -81,6 +83,11 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, packed, precision):
     saved = RunDir(tmp_path / "straight").list_checkpoints()
     assert [checkpoint_step(p) for p in saved] == [3, 6]  # keep_last=2
     assert load_config(tmp_path / "straight" / "config.yaml").model.vocab_size > 256
+    # exports read full precision: a bf16 run saves bf16 parameters, and the exporter reads their fp32
+    # masters from the optimizer state, which six steps moved off the bf16 grid
+    state = read_checkpoint(tmp_path / "straight").state
+    assert all(t.dtype == torch.float32 for t in state.values())
+    assert sum(int((t != t.bfloat16().float()).sum()) for t in state.values()) > 0
 
 
 def test_loss_falls_in_bf16(tmp_path, packed):
