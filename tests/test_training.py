@@ -146,6 +146,25 @@ def test_bad_config_names_the_key(tmp_path, packed, override, message):
         load_config(path, [override])
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["model.context_parallel_size=3", "model.cp_comm_type=all_gather"],
+     "model.seq_length=64: must be divisible by 2 x model.context_parallel_size"),
+    (["model.context_parallel_size=2", "model.num_attention_heads=8", "model.num_query_groups=8",
+      "model.tensor_model_parallel_size=8", "model.cp_comm_type=all_gather", "model.ffn_hidden_size=64",
+      "model.seq_length=40"], "model.seq_length=40: must be divisible by model.context_parallel_size x "
+                                             "model.tensor_model_parallel_size = 16"),
+    (["model.context_parallel_size=2", "model.attention_type=intra_doc_reset", "model.num_attention_heads=4",
+      "model.num_query_groups=4", "model.tensor_model_parallel_size=4", "model.cp_comm_type=all_gather"],
+     "model.tensor_model_parallel_size=4: at most 2"),
+    (["model.context_parallel_size=4", "model.cp_comm_type=a2a"], "model.num_query_groups=2 is not divisible"),
+    (["model.tensor_model_parallel_size=2", "model.num_query_groups=1"], "model.num_query_groups"),
+])
+def test_layouts_megatron_cannot_run_are_refused_before_launch(tmp_path, packed, overrides, message):
+    path, _ = _config(tmp_path, packed)
+    with pytest.raises(ValueError, match=message):
+        load_config(path, overrides)
+
+
 def test_dataset_window_must_match_model(tmp_path, packed):
     path, overrides = _config(tmp_path, packed, **{"model.seq_length": 128})
     with pytest.raises(ValueError, match="seq_length"):
