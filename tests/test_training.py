@@ -188,3 +188,16 @@ def test_continued_pretraining_from_an_imported_hf_model(tmp_path, packed):
     assert _train(path, [f"output_dir={tmp_path / 'continued'}", "trainer.max_steps=1"]) == 0
     continued = _losses(tmp_path / "continued")
     assert continued[1] < first[1] - 0.5  # it starts from the trained weights, not from scratch
+
+
+def test_init_from_a_checkpoint_of_another_shape_names_the_tensor(tmp_path, packed):
+    from nemo_anchor.export.hf import init_model_from_hf
+    from nemo_anchor.export.megatron_state import build_model
+    from nemo_anchor.export.sources import read_model_config
+
+    path, overrides = _config(tmp_path, packed, **{"trainer.max_steps": 1, "checkpoint.save_every": 0})
+    assert _train(path, overrides) == 0
+    config, _ = read_model_config(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"word_embeddings.weight has shape \(259, 32\), the model being trained "
+                                         r"has \(512, 32\)"):
+        init_model_from_hf(build_model(config, 512), tmp_path / "run")

@@ -202,6 +202,18 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, engine) -> dict:
     return loaded["train"]
 
 
+def _check_global_shapes(value, stored: dict, ckpt_dir) -> None:
+    """CheckpointError unless the checkpoint holds every tensor of ``value`` with the model's shape
+    (dist_checkpointing would otherwise fill a larger vocabulary's extra rows without a word)."""
+    for part in optimizer_state.parts(value):
+        saved = stored.get(part.key)
+        if saved is None:
+            raise CheckpointError(f"{ckpt_dir} has no weights for {part.key}")
+        if tuple(saved.global_shape) != tuple(part.global_shape):
+            raise CheckpointError(f"{ckpt_dir}: {part.key} has shape {tuple(saved.global_shape)}, the model being "
+                                  f"trained has {tuple(part.global_shape)}")
+
+
 def _load_model_weights(gpt: torch.nn.Module, loaded: dict, ckpt_dir) -> None:
     weights = {k[len(MODEL_PREFIX):]: v for k, v in loaded.items() if k.startswith(MODEL_PREFIX)}
     missing, _ = gpt.load_state_dict(weights, strict=False)
@@ -220,7 +232,10 @@ def load_weights(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
     stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
     sharded = gpt.sharded_state_dict(prefix=MODEL_PREFIX)
     for name, value in sharded.items():
-        master = f"{optimizer_state.MASTER_PREFIX}{getattr(value, 'key', '')}"
-        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and master in stored:
-            sharded[name] = replace(value, key=master)
+        if not isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+            continue
+        master = f"{optimizer_state.MASTER_PREFIX}{value.key}"
+        if master in stored:
+            sharded[name] = value = replace(value, key=master)
+        _check_global_shapes(value, stored, ckpt_dir)
     _load_model_weights(gpt, dist_checkpointing.load({"model": sharded}, str(ckpt_dir))["model"], ckpt_dir)

@@ -63,7 +63,7 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple
     return boxes
 
 
-def _parts(sharded) -> list[ShardedTensor]:
+def parts(sharded) -> list[ShardedTensor]:
     """The ShardedTensors a model entry stands for (a factory such as SwiGLU's fc1 builds several)."""
     if isinstance(sharded, ShardedTensorFactory):
         built = sharded.build()
@@ -75,7 +75,7 @@ def _boxes_of_range(sharded, param: torch.Tensor, start: int, end: int, key: str
                     replica_id) -> Iterator[ShardedTensor]:
     """ShardedTensors under ``key`` for elements ``[start, end)`` of ``param`` (held in ``data``, a
     flat tensor of ``end - start`` elements), placed where the model's sharded entry puts them."""
-    for part in _parts(sharded):
+    for part in parts(sharded):
         if not part.data.is_contiguous():
             raise ValueError(f"{part.key}: a non-contiguous model shard cannot be mapped to its optimizer state")
         part_start = part.data.storage_offset() - param.storage_offset()
