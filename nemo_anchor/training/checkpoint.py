@@ -88,7 +88,7 @@ def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_confi
 
     Every tensor handed to ``dist_checkpointing`` is a view of the training state: nothing is
     gathered, and the only copy is the writer's host staging of what this rank writes
-    (:func:`nemo_anchor.training.memory.checkpoint_bytes`).
+    (:func:`nemo_anchor.training.memory.checkpoint_peak`).
     """
     final = run.checkpoint(step)
     tmp = run.checkpoints / f".tmp.{final.name}"
