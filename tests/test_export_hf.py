@@ -267,6 +267,28 @@ def test_transformer_engine_and_stacked_names_convert_like_local_ones():
     assert all(torch.equal(expected[k], converted[k]) for k in expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sliced_hf_reads_match_the_full_conversion(tmp_path, arch):
+    """``model.init_from_hf`` reads a rank's shard from safetensors: every tensor's halves of rows and
+    columns (what two tensor-parallel ranks hold, QKV groups and gate/up included) equal the whole
+    HF->Megatron conversion's."""
+    from nemo_anchor.export.hf_mapping import hf_to_megatron_state
+    from nemo_anchor.export.hf_slices import sliced_state
+    from nemo_anchor.export.sources import read_model_config
+
+    hf = save_tiny_hf(tmp_path / "hf", arch)
+    cfg, _ = read_model_config(tmp_path / "hf")
+    full = hf_to_megatron_state(hf.state_dict(), cfg, source="hf")
+    with sliced_state(tmp_path / "hf", cfg) as lazy:
+        assert lazy.keys() == full.keys()
+        for name, tensor in full.items():
+            assert tuple(lazy[name].shape) == tuple(tensor.shape), name
+            rows, cols = tensor.shape[0] // 2, (tensor.shape[1] // 2 if tensor.dim() == 2 else None)
+            for part in ((slice(0, rows),), (slice(rows, None),)):
+                index = part if cols is None else (*part, slice(cols, None))
+                assert torch.equal(lazy[name][index], tensor[index]), (name, index)
+
+
 def test_init_model_from_hf_loads_weights_into_a_longer_context_model(tmp_path):
     hf = save_tiny_hf(tmp_path / "hf", "llama")
     cfg = ModelConfig(architecture="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,

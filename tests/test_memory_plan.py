@@ -10,7 +10,8 @@ import yaml
 
 from nemo_anchor.cli import main as cli
 from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.training.memory import Layout, plan_memory, planned_state_bytes, saved_activation_bytes
+from nemo_anchor.training.memory import (Layout, checkpoint_peak, plan_memory, planned_state_bytes,
+                                         saved_activation_bytes)
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 384
@@ -87,6 +88,91 @@ def test_saved_activations_within_a_quarter_of_the_estimate(precision, recompute
                                                           attention_mask=None, labels=tokens, packed_seq_params=params))
     plan = plan_memory(cfg, VOCAB, Layout(1), gpu_bytes=80 << 30, micro_batch_size=1, bf16=precision == "bf16")
     assert abs(plan.activations + plan.logits - measured) <= 0.25 * measured
+
+
+# host memory a checkpoint save, load and model.init_from_hf add, measured as the rise of the
+# process's peak resident set (Linux: writing 5 to /proc/self/clear_refs resets the peak)
+_MEASURE_CHECKPOINT = r'''
+import json, sys, torch
+from nemo_anchor.export.hf import init_model_from_hf
+from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.model.gpt import build_gpt_model
+from nemo_anchor.parallel.distributed import initialize_parallel
+from nemo_anchor.run_dir import RunDir
+from nemo_anchor.training import checkpoint
+from nemo_anchor.training.config import RunConfig, TrainerConfig
+from nemo_anchor.training.engine import build_engine, train_step
+
+
+def status(field):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+
+def peak_rise(run):
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status("VmRSS")
+    run()
+    return status("VmHWM") - before
+
+
+if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-import this module
+    model, vocab, hf_dir, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    ctx = initialize_parallel()
+    config = RunConfig(output_dir=out, model=ModelConfig(**model), trainer=TrainerConfig(precision="bf16",
+                                                                                          global_batch_size=1))
+    T = model["seq_length"]
+    tokens = torch.randint(0, vocab, (1, T))
+    batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T), position_ids=torch.arange(T)[None],
+                 cu_seqlens=torch.tensor([0, T], dtype=torch.int32), cu_windows=torch.tensor([0, T], dtype=torch.int32))
+
+    def trained_engine():  # after a step Adam's state exists: a load then adds only what it stages
+        engine = build_engine(config, ctx, vocab)
+        train_step(engine, config, [batch])
+        return engine
+
+    engine = trained_engine()
+    save = peak_rise(lambda: checkpoint.save_checkpoint(RunDir(out), 1, engine, {"step": 1}, "", keep_last=1))
+    del engine
+    fresh = trained_engine()
+    load = peak_rise(lambda: checkpoint.load_checkpoint(RunDir(out).checkpoint(1), fresh))
+    gpt = build_gpt_model(config.model, vocab)
+    init = peak_rise(lambda: init_model_from_hf(gpt, hf_dir))
+    with open(f"{out}/peaks.json", "w") as handle:
+        json.dump({"save": save, "load": load, "init_from_hf": init}, handle)
+'''
+
+
+def test_checkpoint_and_init_from_hf_host_memory_match_the_plan(tmp_path):
+    """What a save, a load and model.init_from_hf add to the process's peak memory, against the planner.
+
+    The model's embedding and logits dominate (a large vocabulary), so one tensor is large next to
+    the rest: a reader that held the whole model, or a writer that gathered the fp32 masters, would
+    exceed the plan.
+    """
+    import transformers
+
+    vocab = 32768
+    model = dict(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2,
+                 seq_length=64, attention_backend="cpu")
+    cfg = ModelConfig(**model)
+    hf_dir = tmp_path / "hf"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(hf_dir)  # fp32 safetensors
+    script = tmp_path / "measure.py"
+    script.write_text(_MEASURE_CHECKPOINT)
+    env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), json.dumps(model), str(vocab), str(hf_dir), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads((tmp_path / "run" / "peaks.json").read_text())
+    planned = checkpoint_peak(cfg, vocab, Layout(1), bf16=True, distributed_optimizer=True)
+    written = sum(f.stat().st_size for f in (tmp_path / "run" / "checkpoints" / "iter_0000001").iterdir())
+    assert abs(written - planned.save) <= 0.01 * planned.save, (written, planned)  # what the writer stages
+    slack = 16 << 20  # the interpreter's own allocations (metadata, pickles)
+    assert measured["save"] <= 0.25 * planned.save, (measured, planned)  # the trainer's process gathers nothing
+    assert measured["load"] <= 1.15 * planned.load + slack, (measured, planned)
+    assert measured["init_from_hf"] <= 1.15 * planned.init_from_hf + slack, (measured, planned)
 
 
 def _paper_config(tmp_path, **model):

@@ -1,10 +1,13 @@
 """The trainer under torchrun (gloo): every parallel layout reproduces the single-process run.
 
 Data parallelism with the distributed optimizer, tensor parallelism (with sequence parallelism),
-pipeline parallelism, context x data parallelism, and resuming with another data-parallel size.
+pipeline parallelism, context parallelism (both communication types, up to 8 ranks) and their
+products, and resuming a checkpoint in another layout. Runs of one process count share one
+torchrun launch (:data:`_RUNS`), so each process count starts its workers once.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +18,28 @@ import yaml
 from nemo_anchor.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
-PRETRAIN = str(REPO / "scripts" / "pretrain.py")
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "a", "Pack my box with five dozen liquor jugs! " * 2,
          "How vexingly quick daft zebras jump; ", "Sphinx of black quartz, judge my vow. " * 5] * 8
-STEPS = 5
+STEPS = 4
+RESUME_AT = 2  # the resumed runs take two steps, so the second one uses the optimizer state read back
+
+# several training runs in one launch: argv = config, JSON [[output_dir, [overrides...]], ...]
+_RUNS = '''
+import json, sys
+from nemo_anchor.training.config import load_config
+from nemo_anchor.training.loop import train
+
+if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-import this module
+    for output_dir, overrides in json.loads(sys.argv[2]):
+        train(load_config(sys.argv[1], [f"output_dir={output_dir}", *overrides]))
+'''
+ANCHOR, RESET = "model.attention_type=anchor", "model.attention_type=intra_doc_reset"
+TP2, PP2 = "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"
+A2A, ALL_GATHER = "model.cp_comm_type=a2a", "model.cp_comm_type=all_gather"
+
+
+def _cp(size: int) -> str:
+    return f"model.context_parallel_size={size}"
 
 
 def _child_environment() -> dict:
@@ -29,17 +50,22 @@ def _child_environment() -> dict:
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel_training")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("parallel_training")
+
+
+@pytest.fixture(scope="module")
+def config(root):
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     packed = root / "packed"
     assert cli(["pack", "--input", str(corpus), "--tokenizer", "byte", "--seq-length", "64", "--output", str(packed)]) == 0
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump({
-        # vocab_size as Megatron pads the byte tokenizer's for tensor_model_parallel_size=2
-        "model": {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
-                  "num_query_groups": 2, "seq_length": 64, "attention_backend": "cpu", "vocab_size": 384},
+        # 16 heads in 8 query groups: a2a context parallelism over 8 ranks, and over 2 on each of 2
+        # tensor-parallel ranks; vocab_size as Megatron pads the byte tokenizer's for 2 tensor-parallel ranks
+        "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 64, "num_attention_heads": 16,
+                  "num_query_groups": 8, "seq_length": 64, "attention_backend": "cpu", "vocab_size": 384},
         "data": {"path": str(packed)},
         "trainer": {"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 1, "precision": "fp32",
                     "progress_bar": False},
@@ -49,77 +75,108 @@ def config(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def start(config, tmp_path_factory):
-    """Starting weights for every run (``model.init_from_hf``): a random init depends on the layout
-    (each tensor-parallel rank draws its own SwiGLU halves), loading one checkpoint does not."""
-    run = tmp_path_factory.mktemp("start") / "run"
-    _train(config, run, 1, ["trainer.max_steps=1"])
-    return f"model.init_from_hf={run}"
-
-
-def _train(config: Path, output_dir: Path, processes: int, overrides: list[str]) -> dict[int, float]:
+def _launch(config: Path, processes: int, runs: list[tuple[Path, list[str]]]) -> None:
+    script = config.parent / "runs.py"
+    script.write_text(_RUNS)
     launcher = [sys.executable] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    proc = subprocess.run([*launcher, PRETRAIN, "--config", str(config), f"output_dir={output_dir}", *overrides],
-                          capture_output=True, text=True, timeout=600, env=_child_environment())
+    plan = json.dumps([[str(out), overrides] for out, overrides in runs])
+    proc = subprocess.run([*launcher, str(script), str(config), plan], capture_output=True, text=True, timeout=900,
+                          env=_child_environment())
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _losses(output_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 @pytest.fixture(scope="module")
-def single(config, start, tmp_path_factory):
-    """The reference: one process, per attention type."""
-    cache = {}
+def start(config, root):
+    """Starting weights for every run (``model.init_from_hf``): a random init depends on the layout
+    (each tensor-parallel rank draws its own SwiGLU halves), loading one checkpoint does not."""
+    _launch(config, 1, [(root / "start", ["trainer.max_steps=1"])])
+    return f"model.init_from_hf={root / 'start'}"
 
-    def losses(attention_type: str) -> dict[int, float]:
-        if attention_type not in cache:
-            out = tmp_path_factory.mktemp(f"single_{attention_type}")
-            cache[attention_type] = _train(config, out / "run", 1, [f"model.attention_type={attention_type}", start])
-            assert sorted(cache[attention_type]) == list(range(1, STEPS + 1))
-            assert cache[attention_type][STEPS] < cache[attention_type][1]  # it trains: later steps see new weights
-        return cache[attention_type]
+
+# name -> (processes, overrides); every run of a process count is one launch
+LAYOUTS = {
+    "single_anchor": (1, [ANCHOR]),
+    "single_reset": (1, [RESET]),
+    "dp2": (2, [ANCHOR]),
+    "tp2": (2, [ANCHOR, TP2]),
+    "pp2": (2, [ANCHOR, PP2]),
+    "cp2_all_gather": (2, [RESET, _cp(2), ALL_GATHER]),
+    "dp2_saved": (2, [ANCHOR, f"trainer.max_steps={RESUME_AT}"]),  # the checkpoint the resume tests continue
+    "dp2_cp2_a2a": (4, [ANCHOR, _cp(2), A2A]),
+    "tp2_cp2_a2a": (4, [ANCHOR, TP2, _cp(2), A2A]),
+    "pp2_cp2_all_gather": (4, [RESET, PP2, _cp(2), ALL_GATHER]),
+    "cp8_a2a": (8, [ANCHOR, _cp(8), A2A]),
+    "cp8_all_gather": (8, [RESET, _cp(8), ALL_GATHER]),
+    "tp2_pp2_cp2_a2a": (8, [ANCHOR, TP2, PP2, _cp(2), A2A]),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(config, root, start):
+    """``trained(name)``: the per-step losses of a :data:`LAYOUTS` run (its process count's launch runs on first use)."""
+    done = set()
+
+    def losses(name: str) -> dict[int, float]:
+        processes = LAYOUTS[name][0]
+        if processes not in done:
+            _launch(config, processes, [(root / run, [start, *overrides])
+                                        for run, (count, overrides) in LAYOUTS.items() if count == processes])
+            done.add(processes)
+        return _losses(root / name)
     return losses
 
 
+def _reference(trained, name: str) -> dict[int, float]:
+    single = trained("single_reset" if RESET in LAYOUTS[name][1] else "single_anchor")
+    assert sorted(single) == list(range(1, STEPS + 1))
+    assert single[STEPS] < single[1]  # it trains: later steps see new weights
+    return single
+
+
 def _close(parallel: dict, single: dict, atol: float) -> None:
-    assert sorted(parallel) == sorted(single)
-    worst = max(abs(parallel[s] - single[s]) for s in single)
+    assert parallel and set(parallel) <= set(single)
+    worst = max(abs(parallel[s] - single[s]) for s in parallel)
     assert worst <= atol, f"per-step loss differs by {worst:.3g} (parallel {parallel}, single {single})"
 
 
-def test_data_parallel_with_distributed_optimizer(tmp_path, config, start, single):
-    losses = _train(config, tmp_path / "dp2", 2, ["model.attention_type=anchor", start])
-    _close(losses, single("anchor"), 1e-6)
-    memory = [json.loads(line) for line in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+def test_data_parallel_with_distributed_optimizer(root, trained):
+    _close(trained("dp2"), _reference(trained, "dp2"), 1e-6)
+    memory = [json.loads(line) for line in (root / "dp2" / "metrics.jsonl").read_text().splitlines()]
     state = next(r["memory"] for r in memory if "memory" in r)
     total = sum(state["optimizer_bytes"])  # fp32 Adam moments, sharded over the two ranks
     assert len(state["optimizer_bytes"]) == 2 and max(state["optimizer_bytes"]) <= 0.6 * total
 
 
-def test_tensor_parallel(tmp_path, config, start, single):
-    losses = _train(config, tmp_path / "tp2", 2, ["model.attention_type=anchor", start,
-                                                  "model.tensor_model_parallel_size=2"])
-    _close(losses, single("anchor"), 1e-5)
+@pytest.mark.parametrize("name", [name for name, (processes, _) in LAYOUTS.items()
+                                  if processes > 1 and name not in ("dp2", "dp2_saved")])
+def test_layout_reproduces_one_process(trained, name):
+    losses = trained(name)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    _close(losses, _reference(trained, name), 1e-5)
 
 
-def test_pipeline_parallel(tmp_path, config, start, single):
-    losses = _train(config, tmp_path / "pp2", 2, ["model.attention_type=anchor", start,
-                                                  "model.pipeline_model_parallel_size=2"])
-    _close(losses, single("anchor"), 1e-5)
+@pytest.fixture(scope="module")
+def resumed(config, root, start, trained):
+    """The data-parallel checkpoint of step RESUME_AT, continued to STEPS in other layouts."""
+    trained("dp2_saved")
+    layouts = {"resumed_pp2": [PP2], "resumed_tp2": [TP2], "resumed_cp2": [_cp(2)], "resumed_one_process": []}
+    for name in layouts:
+        shutil.copytree(root / "dp2_saved", root / name)
+    _launch(config, 2, [(root / name, [start, ANCHOR, *extra]) for name, extra in layouts.items() if extra])
+    _launch(config, 1, [(root / "resumed_one_process", [start, ANCHOR])])
+    return lambda name: _losses(root / name)
 
 
-# both context-parallel strategies and both layouts: window chunks (anchor) and padded documents
-@pytest.mark.parametrize("attention_type,comm_type,processes", [("anchor", "a2a", 4), ("intra_doc_reset", "all_gather", 2)])
-def test_context_parallel(tmp_path, config, start, single, attention_type, comm_type, processes):
-    losses = _train(config, tmp_path / "cp", processes, [start,
-        f"model.attention_type={attention_type}", "model.context_parallel_size=2", f"model.cp_comm_type={comm_type}"])
-    _close(losses, single(attention_type), 1e-5)
-
-
-def test_resume_with_another_data_parallel_size(tmp_path, config, start, single):
-    run = tmp_path / "run"
-    _train(config, run, 2, ["model.attention_type=anchor", start, "trainer.max_steps=3"])  # saves at its last step
-    resumed = _train(config, run, 1, ["model.attention_type=anchor", start])
-    _close(resumed, single("anchor"), 1e-6)
+@pytest.mark.parametrize("name", ["resumed_pp2", "resumed_tp2", "resumed_cp2", "resumed_one_process"])
+def test_resume_in_another_layout_continues_the_straight_run(trained, resumed, name):
+    """A checkpoint saved at data parallel 2 continues exactly at pipeline 2, tensor 2, context 2 and in one process."""
+    losses = resumed(name)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[RESUME_AT] == trained("dp2_saved")[RESUME_AT]  # steps before the resume logged once
+    _close({s: v for s, v in losses.items() if s > RESUME_AT}, trained("single_anchor"), 1e-5)

@@ -8,9 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from nemo_anchor.cli import main as cli
+from nemo_anchor.export.sources import read_checkpoint
 from nemo_anchor.run_dir import RunDir, checkpoint_step, resolve_checkpoint
 from nemo_anchor.training.loop import EXIT_INTERRUPTED
 from nemo_anchor.training.config import load_config
@@ -81,6 +83,11 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, packed, precision):
     saved = RunDir(tmp_path / "straight").list_checkpoints()
     assert [checkpoint_step(p) for p in saved] == [3, 6]  # keep_last=2
     assert load_config(tmp_path / "straight" / "config.yaml").model.vocab_size > 256
+    # exports read full precision: a bf16 run saves bf16 parameters, and the exporter reads their fp32
+    # masters from the optimizer state, which six steps moved off the bf16 grid
+    state = read_checkpoint(tmp_path / "straight").state
+    assert all(t.dtype == torch.float32 for t in state.values())
+    assert sum(int((t != t.bfloat16().float()).sum()) for t in state.values()) > 0
 
 
 def test_loss_falls_in_bf16(tmp_path, packed):
@@ -139,6 +146,25 @@ def test_bad_config_names_the_key(tmp_path, packed, override, message):
         load_config(path, [override])
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["model.context_parallel_size=3", "model.cp_comm_type=all_gather"],
+     "model.seq_length=64: must be divisible by 2 x model.context_parallel_size"),
+    (["model.context_parallel_size=2", "model.num_attention_heads=8", "model.num_query_groups=8",
+      "model.tensor_model_parallel_size=8", "model.cp_comm_type=all_gather", "model.ffn_hidden_size=64",
+      "model.seq_length=40"], "model.seq_length=40: must be divisible by model.context_parallel_size x "
+                                             "model.tensor_model_parallel_size = 16"),
+    (["model.context_parallel_size=2", "model.attention_type=intra_doc_reset", "model.num_attention_heads=4",
+      "model.num_query_groups=4", "model.tensor_model_parallel_size=4", "model.cp_comm_type=all_gather"],
+     "model.tensor_model_parallel_size=4: at most 2"),
+    (["model.context_parallel_size=4", "model.cp_comm_type=a2a"], "model.num_query_groups=2 is not divisible"),
+    (["model.tensor_model_parallel_size=2", "model.num_query_groups=1"], "model.num_query_groups"),
+])
+def test_layouts_megatron_cannot_run_are_refused_before_launch(tmp_path, packed, overrides, message):
+    path, _ = _config(tmp_path, packed)
+    with pytest.raises(ValueError, match=message):
+        load_config(path, overrides)
+
+
 def test_dataset_window_must_match_model(tmp_path, packed, capsys):
     path, overrides = _config(tmp_path, packed, **{"model.seq_length": 128})
     assert _train(path, overrides) == 2
@@ -162,3 +188,16 @@ def test_continued_pretraining_from_an_imported_hf_model(tmp_path, packed):
     assert _train(path, [f"output_dir={tmp_path / 'continued'}", "trainer.max_steps=1"]) == 0
     continued = _losses(tmp_path / "continued")
     assert continued[1] < first[1] - 0.5  # it starts from the trained weights, not from scratch
+
+
+def test_init_from_a_checkpoint_of_another_shape_names_the_tensor(tmp_path, packed):
+    from nemo_anchor.export.hf import init_model_from_hf
+    from nemo_anchor.export.megatron_state import build_model
+    from nemo_anchor.export.sources import read_model_config
+
+    path, overrides = _config(tmp_path, packed, **{"trainer.max_steps": 1, "checkpoint.save_every": 0})
+    assert _train(path, overrides) == 0
+    config, _ = read_model_config(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"word_embeddings.weight has shape \(259, 32\), the model being trained "
+                                         r"has \(512, 32\)"):
+        init_model_from_hf(build_model(config, 512), tmp_path / "run")

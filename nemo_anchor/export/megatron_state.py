@@ -170,10 +170,11 @@ def load_into_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *
                 if name not in state:
                     raise ValueError(f"{source}: no weights for {name}")
                 full = state[name]
-                if tuple(full[within].shape) != tuple(part.data.shape):
+                piece = full[within]  # lazy tensors (hf_slices) read only this slice
+                if tuple(piece.shape) != tuple(part.data.shape):
                     raise ValueError(f"{source}: {name} has shape {tuple(full.shape)}, which does not hold "
                                      f"this model's slice {within} of shape {tuple(part.data.shape)}")
-                part.data.copy_(full[within])
+                part.data.copy_(piece)
                 filled.add(name)
     unused = sorted(set(state) - filled - {"output_layer.weight"})  # tied models own no output layer
     if unused and not _is_pipeline_stage(model):

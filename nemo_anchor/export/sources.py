@@ -73,7 +73,19 @@ def read_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
     return reader(Path(path))
 
 
-def _read_huggingface(path: Path) -> LoadedCheckpoint:
+def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, Path]:
+    """The ``model:`` config of an HF directory or a nemo-anchor checkpoint, without reading weights;
+    returns it with the directory the weights are in (a run's checkpoint: its newest iteration)."""
+    path = Path(path)
+    if checkpoint_kind(path) == HF:
+        return _huggingface_config(path), path
+    from nemo_anchor.run_dir import resolve_checkpoint
+
+    ckpt_dir = resolve_checkpoint(path)
+    return _nemo_anchor_config(ckpt_dir), ckpt_dir
+
+
+def _huggingface_config(path: Path) -> ModelConfig:
     import transformers
 
     source = path / CONFIG_FILE
@@ -86,9 +98,14 @@ def _read_huggingface(path: Path) -> LoadedCheckpoint:
         config = model_config_from_hf(hf_config, source=str(source))
     except (AttributeError, TypeError, KeyError) as err:  # a field of another family, absent or of another type
         raise ValueError(f"{source}: not a supported config ({type(err).__name__}: {err})") from None
+    return config
+
+
+def _read_huggingface(path: Path) -> LoadedCheckpoint:
+    config = _huggingface_config(path)
     tensors = read_hf_tensors(path)
     check_hf_weights({name: tuple(t.shape) for name, t in tensors.items()}, config, config.vocab_size,
-                     source=str(path), config_source=str(source), read=lambda names: tensors)
+                     source=str(path), config_source=str(path / CONFIG_FILE), read=lambda names: tensors)
     tensors = {name: t.to(torch.float32) for name, t in tensors.items()}
     state = hf_to_megatron_state(tensors, config, source=str(path))
     return _checked(path, HF, config, state, find_tokenizer_dir(path))
@@ -119,19 +136,27 @@ def _nemo2_tokenizer_dir(context: Path, tokenizer: Optional[dict]) -> Optional[P
 
 
 def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
-    from nemo_anchor.run_dir import read_run_config, resolve_checkpoint, run_dir_of
+    from nemo_anchor.run_dir import resolve_checkpoint, run_dir_of
+    from nemo_anchor.training.optimizer_state import MASTER_PREFIX
 
     ckpt_dir = resolve_checkpoint(path)
-    source = ckpt_dir / "config.yaml"
-    try:
-        config: ModelConfig = OmegaConf.to_object(
-            OmegaConf.merge(OmegaConf.structured(ModelConfig), read_run_config(ckpt_dir).model))
-    except OmegaConfBaseException as err:
-        raise ValueError(f"{source}: invalid model section: {err.msg} (key: model.{err.full_key})") from None
+    config = _nemo_anchor_config(ckpt_dir)
     tensors = read_dist_checkpoint(ckpt_dir, prefix="model.")
+    # a bf16 run saves bf16 parameters; their fp32 masters are in the optimizer state
+    tensors.update(read_dist_checkpoint(ckpt_dir, prefix=f"{MASTER_PREFIX}model.", required=False))
     state = canonical_state(tensors, config.num_layers, source=str(ckpt_dir))
     # layout: OUTPUT_DIR/checkpoints/iter_NNNNNNN, tokenizer in OUTPUT_DIR/tokenizer
     return _checked(ckpt_dir, NEMO_ANCHOR, config, state, find_tokenizer_dir(run_dir_of(ckpt_dir).tokenizer))
+
+
+def _nemo_anchor_config(ckpt_dir: Path) -> ModelConfig:
+    from nemo_anchor.run_dir import read_run_config
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), read_run_config(ckpt_dir).model))
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{ckpt_dir / 'config.yaml'}: invalid model section: {err.msg} "
+                         f"(key: model.{err.full_key})") from None
 
 
 def _checked(path, kind, config, state, tokenizer_dir) -> LoadedCheckpoint:
@@ -148,8 +173,9 @@ def find_tokenizer_dir(path: Path) -> Optional[Path]:
     return path if any((path / name).is_file() for name in _TOKENIZER_FILES) else None
 
 
-def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor under ``prefix`` of a Megatron ``dist_checkpointing`` directory, whole, prefix removed."""
+def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str, required: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` of a Megatron ``dist_checkpointing`` directory, whole, prefix removed
+    (none: ValueError, or ``{}`` when not ``required``)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -161,6 +187,8 @@ def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str) -> dict[str, torch.Tens
     try:
         metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
         wanted = {key: sharded for key, sharded in metadata.items() if key.startswith(prefix)}
+        if not wanted and not required:
+            return {}
         if not wanted:
             found = sorted({key.split(".")[0] + "." for key in metadata})
             raise ValueError(f"{ckpt_dir}: no tensors under '{prefix}' (found prefixes {found})")

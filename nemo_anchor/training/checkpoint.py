@@ -2,14 +2,12 @@
 
 One checkpoint directory (layout: :mod:`nemo_anchor.run_dir`) holds
 
-- ``model.*``: the fp32 weights in model space, sharded as the model is (tensor and pipeline
-  parallel), one replica written. In bf16 runs these are the optimizer's fp32 *master* weights,
-  gathered parameter by parameter from the distributed optimizer's shards, so exports and new runs
-  started from a checkpoint (``model.init_from_hf``) get full precision from any layout;
-- ``optimizer.*``: Megatron's distributed-optimizer state in its ``dp_reshardable`` format (each
-  data x context-parallel rank writes its own slice of the fp32 masters and Adam moments; a
-  resume may change the data- or context-parallel size, not the tensor/pipeline split), or the
-  plain optimizer's state when ``trainer.distributed_optimizer`` is off;
+- ``model.*``: the model's own ``sharded_state_dict()`` (its parameters in their dtype, sharded
+  as the model is, one replica written);
+- ``optimizer.*``: the optimizer state in model space (:mod:`nemo_anchor.training.optimizer_state`):
+  Adam's moments and, for bf16 parameters, their fp32 masters (``optimizer.state.fp32_param.*``),
+  each rank writing the slice it owns. Any tensor x pipeline x context x data layout can resume
+  it, and exports and new runs (``model.init_from_hf``) read full-precision weights from it;
 - ``train``: step, scheduler and sampler state (small, replicated); ``rng``: each rank's RNG state.
 
 A checkpoint is written into ``checkpoints/.tmp.iter_*`` and renamed when every rank has finished,
@@ -26,6 +24,7 @@ import os
 import pickle
 import shutil
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,9 +34,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from nemo_anchor.atomic import atomic_file, write_faults_named
 from nemo_anchor.run_dir import RunDir, checkpoint_step
+from nemo_anchor.training import optimizer_state
 
 MODEL_PREFIX = "model."
-_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 CHECKSUMS = "checksums.json"  # {file: [bytes, CRC-32]} of every other file of the checkpoint, written at save
 _CHUNK = 16 << 20
 
@@ -90,73 +89,29 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def fp32_master_weights(optimizer, params: list[torch.nn.Parameter]) -> dict[int, torch.Tensor]:
-    """``param.data_ptr()`` -> the full fp32 master of each bf16 parameter (fp32 parameters are their own).
-
-    With the distributed optimizer every data x context-parallel rank holds a contiguous slice of
-    each master; the slices are summed into the full tensor over that group, one parameter at a
-    time, so only one parameter's fp32 copy exists at once beyond what training holds anyway.
-    Collective: every rank of the group calls it with the same parameters.
-    """
-    masters = {}
-    for opt in _optimizers(optimizer):
-        if hasattr(opt, "model_param_gbuf_map"):  # DistributedOptimizer
-            for buffer in opt.buffers:
-                for param in buffer.params:
-                    if param.dtype == torch.float32:
-                        continue
-                    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-                    if param in opt.model_param_group_index_map:
-                        owned = opt._get_model_param_range_map(param)["param"]
-                        full[owned.start:owned.end] = opt._get_main_param_and_optimizer_states(param)["param"]
-                    dist.all_reduce(full, group=opt.data_parallel_group)
-                    masters[param.data_ptr()] = full.view(param.shape)
-        elif hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
-            for model_group, master_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-                for param, master in zip(model_group, master_group):
-                    masters[param.data_ptr()] = master.detach()
-    missing = [p for p in params if p.dtype != torch.float32 and p.data_ptr() not in masters]
-    if missing:
-        raise RuntimeError(f"no fp32 master for {len(missing)} bf16 parameters of shapes "
-                           f"{[tuple(p.shape) for p in missing[:3]]}")
-    return masters
-
-
-def _with_weights(sharded: dict, weights: dict[int, torch.Tensor]) -> dict:
-    """The model's sharded state dict with every tensor swapped for ``weights[data_ptr]`` when given."""
-    for value in sharded.values():
-        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and value.data.data_ptr() in weights:
-            value.data = weights[value.data.data_ptr()]
-            if isinstance(value, ShardedTensor):
-                value.dtype = value.data.dtype
-    return sharded
-
-
 def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_config_yaml: str,
                     keep_last: int, save_every: int = 0) -> Path:
-    """Save this rank's shards of the model (fp32), optimizer, ``train_state`` and RNG; returns the directory.
+    """Save this rank's shards of the model, optimizer, ``train_state`` and RNG; returns the directory.
 
-    Older checkpoints beyond ``keep_last`` are then removed (:func:`evict_old_checkpoints`)."""
+    Every tensor handed to ``dist_checkpointing`` is a view of the training state: nothing is
+    gathered, and the only copy is the writer's host staging of what this rank writes
+    (:func:`nemo_anchor.training.memory.checkpoint_peak`). Older checkpoints beyond ``keep_last``
+    are then removed (:func:`evict_old_checkpoints`).
+    """
     final = run.checkpoint(step)
     tmp = run.checkpoints / f".tmp.{final.name}"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    gpt = engine.gpt
-    masters = fp32_master_weights(engine.optimizer, list(gpt.parameters()))
     model_state = engine.gpt.sharded_state_dict(prefix=MODEL_PREFIX)
     state = {
-        # the optimizer's sharded state refers to the model's bf16 tensors: build it before the swap
-        "optimizer": engine.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_FORMAT),
-        "train": {**train_state, "layout": layout(), "scheduler": engine.scheduler.state_dict()},
+        "model": model_state,
+        "optimizer": optimizer_state.sharded_state(engine.optimizer, model_state, is_loading=False),
+        "train": {**train_state, "layout": layout(), "scheduler": engine.scheduler.state_dict(),
+                  "distributed_optimizer": optimizer_state.is_distributed(engine.optimizer)},
         "rng": _rng_object(_rng_state()),
     }
-    state["model"] = _with_weights(engine.gpt.sharded_state_dict(prefix=MODEL_PREFIX), masters)
     with write_faults_named(final, tmp):  # a full disk is named, and the partial checkpoint removed
         dist_checkpointing.save(state, str(tmp))
         _barrier()
@@ -323,68 +278,65 @@ def pick_resumable(run: RunDir, report) -> Path | None:
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, engine) -> dict:
-    """Restore model, optimizer, scheduler and RNG from ``ckpt_dir``; returns its ``train`` state.
-
-    Raises CheckpointError when the checkpoint was saved with another tensor or pipeline split
-    (its optimizer state cannot be resharded across those).
-    """
+    """Restore model, optimizer, scheduler and RNG from ``ckpt_dir``, saved in any parallel layout;
+    returns its ``train`` state. The RNG state is restored only when the layout is the same."""
     common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
     saved, now = common["train"]["layout"], layout()
-    for key, name in (("tensor", "model.tensor_model_parallel_size"), ("pipeline", "model.pipeline_model_parallel_size")):
-        if saved[key] != now[key]:
-            raise CheckpointError(
-                f"{ckpt_dir} was saved with {name}={saved[key]}, this run has {now[key]}: its optimizer state "
-                f"can be resharded across data and context parallelism only. Resume with {name}={saved[key]}, or "
-                f"start a new run from its weights with model.init_from_hf={ckpt_dir}")
-    gpt = engine.gpt
-    for opt in _optimizers(engine.optimizer):
-        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):  # as Megatron-LM does before a load:
-            opt._init_optimizer_states_with_dummy_values()  # Adam state to load into (values replaced)
+    distributed = optimizer_state.is_distributed(engine.optimizer)
+    if common["train"].get("distributed_optimizer") != distributed:
+        raise CheckpointError(f"{ckpt_dir} was not saved with trainer.distributed_optimizer={distributed} (or by "
+                              f"an older nemo-anchor): resume it with the setting and version that wrote it, or start "
+                              f"a new run from its weights with model.init_from_hf={ckpt_dir}")
+    optimizer_state.prepare_load(engine.optimizer, common["optimizer"])
     model_state = engine.gpt.sharded_state_dict(prefix=MODEL_PREFIX)
-    state = {"optimizer": engine.optimizer.sharded_state_dict(model_state, is_loading=True,
-                                                               metadata=_OPTIMIZER_FORMAT)}
-    # the weights are read as the fp32 that was saved, then rounded into bf16 parameters exactly as
-    # the optimizer rounds its masters after a step
-    fp32 = {p.data_ptr(): torch.empty(p.shape, dtype=torch.float32, device=p.device)
-            for p in gpt.parameters() if p.dtype != torch.float32}
-    state["model"] = _with_weights(engine.gpt.sharded_state_dict(prefix=MODEL_PREFIX), fp32)
+    state = {"model": model_state,
+             "optimizer": optimizer_state.sharded_state(engine.optimizer, model_state, is_loading=True)}
+    targets = optimizer_state.load_targets(engine.optimizer, state["optimizer"])
     if saved == now:  # per-rank RNG state means something only in the same layout
         state["rng"] = _rng_object(None)
     loaded = dist_checkpointing.load(state, str(ckpt_dir))
-    weights = {k[len(MODEL_PREFIX):]: v for k, v in loaded["model"].items() if k.startswith(MODEL_PREFIX)}
-    missing, _ = gpt.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing:
-        raise CheckpointError(f"{ckpt_dir} lacks model weights: {missing[:5]}")
-    with torch.no_grad():  # fp32 runs: the masters are views of the parameters
-        engine.optimizer.load_state_dict(loaded["optimizer"])
-    _set_adam_step(engine.optimizer, int(loaded["train"]["step"]))
+    _load_model_weights(engine.gpt, loaded["model"], ckpt_dir)
+    optimizer_state.finish_load(engine.optimizer, loaded["optimizer"], targets)
     engine.scheduler.load_state_dict(loaded["train"]["scheduler"])
     if "rng" in loaded:
         _set_rng_state(loaded["rng"])
     return loaded["train"]
 
 
-def _set_adam_step(optimizer, step: int) -> None:
-    """Set torch AdamW's per-parameter step count to ``step``.
-
-    Megatron-Core 0.16.1's ``dp_reshardable`` load copies this count from the placeholder state
-    it loads into rather than from the checkpoint (TE's and apex's FusedAdam keep it in the param
-    groups and are unaffected). Every training step is one optimizer step here (a skipped step is
-    an error), so the checkpoint's step is the count.
-    """
-    for opt in _optimizers(optimizer):
-        for state in getattr(opt.optimizer, "state", {}).values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = torch.tensor(float(step), dtype=state["step"].dtype, device=state["step"].device)
+def _check_global_shapes(value, stored: dict, ckpt_dir) -> None:
+    """CheckpointError unless the checkpoint holds every tensor of ``value`` with the model's shape
+    (dist_checkpointing would otherwise fill a larger vocabulary's extra rows without a word)."""
+    for part in optimizer_state.parts(value):
+        saved = stored.get(part.key)
+        if saved is None:
+            raise CheckpointError(f"{ckpt_dir} has no weights for {part.key}")
+        if tuple(saved.global_shape) != tuple(part.global_shape):
+            raise CheckpointError(f"{ckpt_dir}: {part.key} has shape {tuple(saved.global_shape)}, the model being "
+                                  f"trained has {tuple(part.global_shape)}")
 
 
-def load_weights(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
-    """Load the fp32 weights of a checkpoint (training or weights-only, any parallel layout) into ``gpt``."""
-    loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict(prefix=MODEL_PREFIX)}, str(ckpt_dir))
-    weights = {k[len(MODEL_PREFIX):]: v for k, v in loaded["model"].items() if k.startswith(MODEL_PREFIX)}
+def _load_model_weights(gpt: torch.nn.Module, loaded: dict, ckpt_dir) -> None:
+    weights = {k[len(MODEL_PREFIX):]: v for k, v in loaded.items() if k.startswith(MODEL_PREFIX)}
     missing, _ = gpt.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
         raise CheckpointError(f"{ckpt_dir} lacks model weights: {missing[:5]}")
 
+
+def load_weights(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
+    """Load a checkpoint's full-precision weights (training or weights-only, any parallel layout) into
+    ``gpt``, this rank's shards only.
+
+    A bf16 run's parameters are saved in bf16; their fp32 masters are the optimizer's
+    ``optimizer.state.fp32_param.*`` entries, which are read instead where the checkpoint has them.
+    """
+    stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    sharded = gpt.sharded_state_dict(prefix=MODEL_PREFIX)
+    for name, value in sharded.items():
+        if not isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+            continue
+        master = f"{optimizer_state.MASTER_PREFIX}{value.key}"
+        if master in stored:
+            sharded[name] = value = replace(value, key=master)
+        _check_global_shapes(value, stored, ckpt_dir)
+    _load_model_weights(gpt, dist_checkpointing.load({"model": sharded}, str(ckpt_dir))["model"], ckpt_dir)

@@ -121,16 +121,19 @@ def _vocab_size(config) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     """0 when the plan fits, 1 when it does not, 2 (one ``error:`` line) for a config or layout that cannot run."""
     try:
-        plan, fix = _plan(args)
+        plan, fix, host = _plan(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"nemo-anchor plan: error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**plan.as_dict(), "config": str(args.config), "suggestion": fix}, indent=2))
+        print(json.dumps({**plan.as_dict(), "config": str(args.config), "suggestion": fix,
+                          "checkpoint_host_bytes": asdict(host)}, indent=2))
     else:
         from nemo_anchor.training.memory import GIB
 
         print(format_plan(plan, str(args.config)))
+        print(f"  host memory per process on top of training: checkpoint save {host.save / GIB:.2f} GiB, "
+              f"load {host.load / GIB:.2f} GiB, model.init_from_hf {host.init_from_hf / GIB:.2f} GiB")
         if not plan.fits:
             print(f"does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory:g} GiB; "
                   + (f"smallest change that fits: {fix}" if fix else "no layout of tensor x context parallelism "
@@ -139,9 +142,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> tuple:
-    """(the plan, the smallest change that fits or None)."""
+    """(the plan, the smallest change that fits or None, the checkpoint and init_from_hf host peaks)."""
     from nemo_anchor.training.config import load_config
-    from nemo_anchor.training.memory import GIB, Layout, plan_memory, suggest
+    from nemo_anchor.training.memory import GIB, Layout, checkpoint_peak, plan_memory, suggest
 
     config = load_config(args.config, args.overrides)
     m, t = config.model, config.trainer
@@ -153,7 +156,9 @@ def _plan(args: argparse.Namespace) -> tuple:
                    bf16=t.precision == "bf16", distributed_optimizer=t.distributed_optimizer)
     vocab = _vocab_size(config)
     plan = plan_memory(m, vocab, layout, **options)
-    return plan, None if plan.fits else suggest(m, vocab, layout, **options)
+    fix = None if plan.fits else suggest(m, vocab, layout, **options)
+    host = checkpoint_peak(m, vocab, layout, bf16=options["bf16"], distributed_optimizer=t.distributed_optimizer)
+    return plan, fix, host
 
 
 def format_plan(plan, name: str) -> str:

@@ -14,6 +14,7 @@ from typing import List, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.training.resume import check_allow_list
 
@@ -105,7 +106,22 @@ class RunConfig:
             bad("model.seq_length", self.model.seq_length,
                 f"must be divisible by 2 x model.context_parallel_size = {2 * cp} (each window is cut into "
                 f"2*cp chunks); pick a seq_length that is a multiple of {2 * cp}")
+        self._validate_sequence_parallel(bad)
         return self
+
+    def _validate_sequence_parallel(self, bad) -> None:
+        """Sequence parallelism splits each rank's tokens of a micro-batch evenly over the tensor-parallel ranks."""
+        m = self.model
+        tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
+        if tp > 1 and (m.seq_length // cp) % tp:
+            bad("model.seq_length", m.seq_length,
+                f"must be divisible by model.context_parallel_size x model.tensor_model_parallel_size = {cp * tp} "
+                f"(sequence parallelism splits each context-parallel rank's tokens over the tensor-parallel ranks)")
+        if tp > 2 and cp > 1 and get_attention_type(m.attention_type).rope_restarts != "window":
+            bad("model.tensor_model_parallel_size", tp,
+                f"at most 2 with model.context_parallel_size={cp} and attention_type={m.attention_type}: context "
+                f"parallelism pads each document to a multiple of {2 * cp} tokens, so a rank's share is even but "
+                f"not always divisible by {tp} for sequence parallelism")
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

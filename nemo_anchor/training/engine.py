@@ -33,6 +33,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from nemo_anchor import gpu
+from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 from nemo_anchor.model.gpt import AnchorTransformerConfig, build_gpt_model, transformer_config
 from nemo_anchor.model.packed_seq import make_packed_seq_params
@@ -99,6 +100,7 @@ def build_engine(config: RunConfig, ctx: ParallelContext, vocab_size: int,
         wd_incr_steps=t.max_steps, wd_incr_style="constant")
     gpt.config.finalize_model_grads_func = finalize_model_grads
     gpt.config.no_sync_func = model.no_sync
+    gpt.config.variable_seq_lengths = _variable_microbatch_length(config)
     return Engine(model, optimizer, scheduler)
 
 
@@ -118,6 +120,15 @@ def parameters_gathered(engine: Engine):
         yield
     finally:
         engine.model.enable_forward_pre_hook()
+
+
+def _variable_microbatch_length(config: RunConfig) -> bool:
+    """True when pipeline stages must send each activation's shape ahead of it (Megatron's
+    ``variable_seq_lengths``): context parallelism pads every document of a per-document layout
+    to a multiple of 2 x its size, so micro-batches differ in length."""
+    m = config.model
+    return (m.pipeline_model_parallel_size > 1 and m.context_parallel_size > 1
+            and get_attention_type(m.attention_type).rope_restarts != "window")
 
 
 def _forward_step(attention_type: str, cp_group, data_iterator: Iterator[dict], model):
@@ -145,7 +156,10 @@ def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, 
     Gradients are reduced and divided by the global token count inside, via ``finalize_model_grads``.
     """
     cp_group = parallel_state.get_context_parallel_group() if config.model.context_parallel_size > 1 else None
-    tokens_per_microbatch = batches[0]["tokens"].numel()
+    # Megatron's schedules take the full micro-batch length and divide it by the context- (and, with
+    # sequence parallelism, tensor-) parallel size for the pipeline's send/recv shapes; batches hold
+    # this context-parallel rank's share of the packed tokens
+    tokens_per_microbatch = batches[0]["tokens"].numel() * config.model.context_parallel_size
     with bf16_matmuls_in_fp32(config.trainer.precision, batches[0]["tokens"].device):
         reported = get_forward_backward_func()(
             forward_step_func=functools.partial(_forward_step, config.model.attention_type, cp_group),

@@ -163,6 +163,41 @@ def state_bytes(engine) -> StateBytes:
     return StateBytes(weights, gradients, optimizer)
 
 
+@dataclass(frozen=True)
+class CheckpointPeak:
+    """Host memory one process needs on top of training while it saves or loads a checkpoint, or
+    reads ``model.init_from_hf`` (the busiest rank; device memory grows by nothing: every tensor
+    handed to dist_checkpointing is a view of the training state, and loads fill it in place)."""
+
+    # what the rank writes: dist_checkpointing stages it in host memory (a device-to-host copy on GPUs,
+    # forked writer processes on the CPU), not in the training process's device memory
+    save: int
+    load: int  # PyTorch DCP reads one stored chunk's bytes at a time, deserialises and copies them into place
+    # the pages of its slices safetensors maps in (fp32 files at worst), and one tensor's slice read
+    # and joined (QKV, gate/up)
+    init_from_hf: int
+
+
+def checkpoint_peak(model: ModelConfig, vocab_size: int, layout: Layout, *, bf16: bool,
+                    distributed_optimizer: bool) -> CheckpointPeak:
+    """The :class:`CheckpointPeak` of the rank that writes most: data-parallel rank 0 of tensor rank 0
+    writes its stage's weights (one replica) and its slice of the optimizer state (model space,
+    :mod:`nemo_anchor.training.optimizer_state`); fp32 masters only for bf16 parameters.
+
+    Loading is planned for a checkpoint saved in the same layout (stored chunks as large as this
+    rank's tensors, in fp32); one saved with less tensor parallelism has larger chunks.
+    """
+    shards = layout.data * layout.context
+    written, largest, stage_params = 0, 0, 0
+    for stage in range(layout.pipeline):
+        numels = [n for _, n in parameter_shapes(model, vocab_size, layout.tensor, layout.pipeline, stage)]
+        _, owned = _buffer_layout(numels, shards, distributed_optimizer)
+        optimizer = owned[0] * (8 + (4 if bf16 else 0))  # Adam's moments (+ fp32 masters of bf16 parameters)
+        written = max(written, sum(numels) * (2 if bf16 else 4) + optimizer)
+        largest, stage_params = max(largest, max(numels)), max(stage_params, sum(numels))
+    return CheckpointPeak(save=written, load=2 * 4 * largest, init_from_hf=4 * stage_params + 2 * 4 * largest)
+
+
 def activation_bytes_per_token(model: ModelConfig, vocab_size: int, *, bf16: bool, tensor: int = 1) -> dict:
     """Bytes autograd saves per token of a micro-batch (one tensor-parallel rank, sequence parallel):
     per transformer layer, per recomputed layer (its input), and for the final norm, logits and loss.
