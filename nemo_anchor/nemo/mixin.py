@@ -16,9 +16,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_anchor import gpu
 from nemo_anchor.attention.paradigms import get_attention_type
-from nemo_anchor.model.gpt import packed_forward
 from nemo_anchor.model.rope import install_rope_precision_hook
 from nemo_anchor.model.spec import get_layer_spec
+from nemo_anchor.training.forward import forward_step
 
 # Keys of a collated batch (``nemo_anchor.data.collate_windows``) that the forward step reads.
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_windows")
@@ -54,15 +54,6 @@ def anchor_data_step(dataloader_iter, attention_type: str = "anchor") -> dict[st
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def anchor_forward_step(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """NeMo's ``forward_step_fn``: per-token loss ``[B, T]`` of B packed windows run as one THD pack."""
-    from megatron.core import parallel_state
-
-    cp_group = (parallel_state.get_context_parallel_group()
-                if parallel_state.get_context_parallel_world_size() > 1 else None)
-    return packed_forward(model, batch, cp_group)
-
-
 @dataclass
 class AnchorConfigMixin:
     """Put first among the bases of a ``GPTConfig`` / ``GPTModelProvider`` subclass declared ``@dataclass``."""
@@ -71,7 +62,7 @@ class AnchorConfigMixin:
     attention_kernel: str = "auto"  # nemo_anchor.attention backend; `attention_backend` is Megatron's
     rope_in_fp32: bool = False  # rotate q/k in fp32 (the unfused RoPE path)
     transformer_layer_spec: Union[ModuleSpec, Callable] = anchor_layer_spec
-    forward_step_fn: Callable = anchor_forward_step
+    forward_step_fn: Callable = forward_step  # the forward step `nemo-anchor train` runs
     data_step_fn: Callable = anchor_data_step
 
     def __post_init__(self):
