@@ -75,6 +75,8 @@ class AnchorConfigMixin:
                              "with AnchorCoreAttention; set window_size to null")
         if self.data_step_fn is anchor_data_step:
             self.data_step_fn = functools.partial(anchor_data_step, attention_type=self.attention_type)
+        if not torch.cuda.is_available():
+            self.use_cpu_initialization = True  # Megatron would otherwise allocate the weights on CUDA
         if gpu.transformer_engine_pytorch()[0] is None:
             # Without TE the layers come from Megatron's local spec, whose torch RMSNorm and
             # unfused RoPE compute the same thing as the fused kernels these flags ask for.
