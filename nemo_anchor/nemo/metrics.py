@@ -8,6 +8,7 @@ peak they are measured against come from ``nemo_anchor.training.throughput``, as
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 
@@ -35,6 +36,16 @@ class AnchorMetricsCallback(pl.Callback):
     def __init__(self, peak_tflops: float | None = None):
         self.peak_tflops = peak_tflops
         self._logger = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Keep ``metrics.jsonl`` where it is on a resume: NeMo's ``ModelCheckpoint.setup`` (which runs after
+        this, checkpoint callbacks run last) moves the log directory's files into ``run_N/``; a resumed run
+        continues the file instead, as ``nemo-anchor train`` does."""
+        from nemo.utils import AppState
+
+        app_state = AppState()
+        moving = getattr(app_state, "files_to_move", None) or []
+        app_state.files_to_move = [path for path in moving if Path(path).name != RunDir("").metrics.name]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from nemo.utils import AppState

@@ -89,9 +89,11 @@ def anchor_optimizer(lr: float = 2e-5) -> run.Config[nl.MegatronOptimizerModule]
 
 
 def anchor_log(dir: Optional[str], name: str) -> run.Config[nl.NeMoLogger]:
-    """NeMo's default logger, with a checkpoint name that needs no validation loss (the runs have none by default)."""
+    """NeMo's default logger; its last checkpoint keeps the optimizer state (a resume continues the
+    run exactly), and the checkpoint name needs no validation loss (the runs have none by default)."""
     log = default_log(dir=dir, name=name, tensorboard_logger=tensorboard_logger(name=name))
     log.ckpt.filename = "{step}-{consumed_samples}"
+    log.ckpt.save_optim_on_train_end = True
     return log
 
 
