@@ -14,6 +14,7 @@ from typing import List, Optional
 
 import torch
 from nemo.collections import llm
+from nemo.collections.llm.gpt.model.llama import Llama31Config
 
 from nemo_anchor.nemo import cpu
 from nemo_anchor.nemo.mixin import AnchorConfigMixin
@@ -24,6 +25,11 @@ cpu.install()  # NeMo on a machine without CUDA; nothing on CUDA machines
 @dataclass
 class AnchorLlamaConfig(AnchorConfigMixin, llm.LlamaConfig):
     """``llm.LlamaConfig`` with AnchorAttention."""
+
+
+@dataclass
+class AnchorLlama31Config(AnchorConfigMixin, Llama31Config):
+    """``llm.Llama31Config`` (Llama 3.1/3.2 RoPE frequency scaling) with AnchorAttention."""
 
 
 @dataclass

@@ -12,22 +12,10 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.nemo.hf_io import model_config_from_anchor
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import throughput
 from nemo_anchor.training.metrics import MetricsLogger
-
-
-def flops_model_config(config) -> ModelConfig:
-    """The fields of a NeMo anchor config that ``nemo_anchor.model.flops`` counts with."""
-    recompute = {"full": "full", "selective": "selective"}.get(config.recompute_granularity, "none")
-    return ModelConfig(
-        attention_type=config.attention_type, num_layers=config.num_layers, hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups or config.num_attention_heads, head_dim=config.kv_channels,
-        seq_length=config.seq_length, recompute=recompute,
-        recompute_num_layers=config.recompute_num_layers if recompute == "full" else None,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size)
 
 
 class AnchorMetricsCallback(pl.Callback):
@@ -53,7 +41,7 @@ class AnchorMetricsCallback(pl.Callback):
         config = pl_module.config
         precision = "bf16" if config.bf16 else "fp32"
         self._peak, _ = throughput.resolve_peak_tflops(self.peak_tflops, pl_module.device, precision)
-        self._model = flops_model_config(config)
+        self._model = model_config_from_anchor(config)
         self._vocab_size = pl_module.module.vocab_size if hasattr(pl_module.module, "vocab_size") else config.vocab_size
         self._logger = MetricsLogger(RunDir(AppState().log_dir), total_steps=trainer.max_steps,
                                      start_step=trainer.global_step, enabled=trainer.is_global_zero, progress_bar=False)

@@ -61,6 +61,14 @@ class AnchorConfigMixin:
     attention_type: str = "anchor"  # full | intra_doc | intra_doc_reset | anchor
     attention_kernel: str = "auto"  # nemo_anchor.attention backend; `attention_backend` is Megatron's
     rope_in_fp32: bool = False  # rotate q/k in fp32 (the unfused RoPE path)
+    # YaRN (position_embedding_type="yarn"): what Megatron's GPTModel reads, as in AnchorTransformerConfig
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     transformer_layer_spec: Union[ModuleSpec, Callable] = anchor_layer_spec
     forward_step_fn: Callable = forward_step  # the forward step `nemo-anchor train` runs
     data_step_fn: Callable = anchor_data_step
@@ -82,6 +90,11 @@ class AnchorConfigMixin:
             # unfused RoPE compute the same thing as the fused kernels these flags ask for.
             self.apply_rope_fusion = False
             self.persist_layer_norm = False
+        if not self.num_attention_heads:
+            # unsized: a placeholder whose shape comes from elsewhere, as in
+            # llm.import_ckpt(model=AnchorLlamaModel(AnchorLlamaConfig()), source="hf://...");
+            # Megatron's checks (which divide by the head count) run when a sized config is made
+            return
         super().__post_init__()
 
     @property

@@ -41,3 +41,6 @@ MODEL_CLASSES = {AnchorLlamaConfig: AnchorLlamaModel, AnchorMistralConfig: Ancho
 
 def model_class_for(config_class: type) -> type:
     return next(model for base, model in MODEL_CLASSES.items() if issubclass(config_class, base))
+
+
+from nemo_anchor.nemo import hf_io  # noqa: E402,F401  registers the classes' hf importers and exporters
