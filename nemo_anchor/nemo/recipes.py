@@ -24,6 +24,7 @@ Every run writes ``metrics.jsonl`` in its log directory (``AnchorMetricsCallback
 
 from typing import Optional
 
+import lightning.pytorch as pl
 import nemo_run as run
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -34,10 +35,10 @@ from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed
 
 from nemo_anchor.model.config import paper_rotary_base
 from nemo_anchor.nemo import cpu
-from nemo_anchor.nemo.config import PRESETS
+from nemo_anchor.nemo.config import PRESETS, AnchorLlamaConfig, AnchorMistralConfig, AnchorQwen2Config
 from nemo_anchor.nemo.data import AnchorPackedDataModule
 from nemo_anchor.nemo.metrics import AnchorMetricsCallback
-from nemo_anchor.nemo.models import model_class_for
+from nemo_anchor.nemo.models import AnchorLlamaModel, AnchorMistralModel, AnchorQwen2Model, model_class_for
 
 
 def anchor_trainer(num_nodes: int = 1, num_gpus_per_node: int = 8, tensor_parallelism: int = 1,
@@ -194,3 +195,22 @@ def anchor_smollm2_135m(data_path: Optional[str] = None, seq_length: int = 8192,
                                   num_gpus_per_node=1, context_parallelism=1, global_batch_size=8,
                                   rotary_base=100_000.0, lr=2e-5, restore_path=restore_path,
                                   max_steps=100 if on_cpu else 2000)
+
+
+# Model factories for `nemo llm import model=... source=hf://DIR`: the HF config decides the shape.
+@run.cli.factory(name="anchor_llama")
+def anchor_llama() -> run.Config[pl.LightningModule]:
+    """An ``AnchorLlamaModel`` (Llama, SmolLM2) to import a Hugging Face model into."""
+    return run.Config(AnchorLlamaModel, config=run.Config(AnchorLlamaConfig))
+
+
+@run.cli.factory(name="anchor_mistral")
+def anchor_mistral() -> run.Config[pl.LightningModule]:
+    """An ``AnchorMistralModel`` to import a Hugging Face model into."""
+    return run.Config(AnchorMistralModel, config=run.Config(AnchorMistralConfig))
+
+
+@run.cli.factory(name="anchor_qwen2")
+def anchor_qwen2() -> run.Config[pl.LightningModule]:
+    """An ``AnchorQwen2Model`` to import a Hugging Face model into."""
+    return run.Config(AnchorQwen2Model, config=run.Config(AnchorQwen2Config))
