@@ -29,7 +29,8 @@ megatron-core's ``get_megatron_optimizer`` with ``no_weight_decay_cond``/``scale
 installed on any machine, only when the installed megatron-core lacks those arguments.
 
 Training itself also needs ``accelerator="cpu"`` (Lightning then uses gloo) and
-``use_cpu_initialization=True``: the recipes (``cpu_trainer_settings``) and the anchor configs set them.
+``use_cpu_initialization=True``: the recipes (``nemo_anchor.nemo.recipes.anchor_trainer``) and the
+anchor configs (``AnchorConfigMixin``) set them when CUDA is absent.
 """
 from __future__ import annotations
 
@@ -72,13 +73,6 @@ def install() -> bool:
         logging.info("nemo_anchor: no CUDA device, NeMo runs on the CPU (gloo, synchronous checkpoints, "
                      "Megatron CPU shims)")
     return True
-
-
-def cpu_trainer_settings() -> dict:
-    """What a recipe's ``nl.Trainer`` and ``nl.MegatronStrategy`` need on the CPU (empty with CUDA)."""
-    if not on_cpu():
-        return {}
-    return {"accelerator": "cpu"}
 
 
 def _save_checkpoints_synchronously(strategy_class) -> None:

@@ -42,7 +42,7 @@ class AnchorMetricsCallback(pl.Callback):
         precision = "bf16" if config.bf16 else "fp32"
         self._peak, _ = throughput.resolve_peak_tflops(self.peak_tflops, pl_module.device, precision)
         self._model = model_config_from_anchor(config)
-        self._vocab_size = pl_module.module.vocab_size if hasattr(pl_module.module, "vocab_size") else config.vocab_size
+        self._vocab_size = config.vocab_size or pl_module.tokenizer.vocab_size
         self._logger = MetricsLogger(RunDir(AppState().log_dir), total_steps=trainer.max_steps,
                                      start_step=trainer.global_step, enabled=trainer.is_global_zero, progress_bar=False)
 

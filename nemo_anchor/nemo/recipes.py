@@ -153,32 +153,36 @@ def anchor_pretrain_recipe(
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_llama2_7b")
-def anchor_llama2_7b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+def anchor_llama2_7b(data_path: Optional[str] = None, seq_length: int = 131_072,
+                     restore_path: Optional[str] = None) -> run.Partial:
     """Llama-2-7B, the paper's main model (planner: 27 recomputed layers at 128K on 8x 80 GB, 17 at 64K)."""
     return anchor_pretrain_recipe("llama2_7b", data_path=data_path, seq_length=seq_length, name="anchor_llama2_7b",
-                                  recompute_num_layers=27 if seq_length > 65_536 else 17)
+                                  recompute_num_layers=27 if seq_length > 65_536 else 17, restore_path=restore_path)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_llama3_8b")
-def anchor_llama3_8b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+def anchor_llama3_8b(data_path: Optional[str] = None, seq_length: int = 131_072,
+                     restore_path: Optional[str] = None) -> run.Partial:
     """Llama-3-8B (planner: every layer recomputed at 128K on 8x 80 GB)."""
     return anchor_pretrain_recipe("llama3_8b", data_path=data_path, seq_length=seq_length, name="anchor_llama3_8b",
-                                  recompute_num_layers=32)
+                                  recompute_num_layers=32, restore_path=restore_path)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_mistral_7b_v03")
-def anchor_mistral_7b_v03(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+def anchor_mistral_7b_v03(data_path: Optional[str] = None, seq_length: int = 131_072,
+                          restore_path: Optional[str] = None) -> run.Partial:
     """Mistral-7B-v0.3 (planner: 28 recomputed layers at 128K on 8x 80 GB)."""
     return anchor_pretrain_recipe("mistral_7b_v0.3", data_path=data_path, seq_length=seq_length,
-                                  name="anchor_mistral_7b_v03", recompute_num_layers=28)
+                                  name="anchor_mistral_7b_v03", recompute_num_layers=28, restore_path=restore_path)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_qwen15_1p8b")
-def anchor_qwen15_1p8b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+def anchor_qwen15_1p8b(data_path: Optional[str] = None, seq_length: int = 131_072,
+                       restore_path: Optional[str] = None) -> run.Partial:
     """Qwen-1.5-1.8B: no BOS token; pack with a tokenizer whose anchor is EOS (Section 5.3)."""
     return anchor_pretrain_recipe("qwen1.5_1.8b", data_path=data_path, seq_length=seq_length,
                                   name="anchor_qwen15_1p8b", tensor_parallelism=1, context_parallelism=4,
-                                  recompute_num_layers=15)  # planner: 15 layers at 128K, CP 4 x DP 2
+                                  recompute_num_layers=15, restore_path=restore_path)  # planner: 15 layers at 128K, CP 4 x DP 2
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_smollm2_135m")
@@ -186,9 +190,9 @@ def anchor_smollm2_135m(data_path: Optional[str] = None, seq_length: int = 8192,
                         restore_path: Optional[str] = None) -> run.Partial:
     """SmolLM2-135M continued with AnchorAttention: one GPU or a CPU (no model or context parallelism).
 
-    ``restore_path``: SmolLM2 imported into NeMo (``llm.import_ckpt(AnchorLlamaModel(
-    AnchorSmolLM2Config135M()), source="hf://DIR")``) to continue from it. The RoPE base stays
-    SmolLM2's 1e5 at its own 8K window.
+    ``restore_path``: SmolLM2 imported into NeMo (``nemo llm import
+    model=nemo_anchor.nemo.recipes.anchor_llama source=hf://DIR output_path=OUT``) to continue
+    from it. The RoPE base stays SmolLM2's 1e5 at its own 8K window.
     """
     on_cpu = cpu.on_cpu()
     return anchor_pretrain_recipe("smollm2_135m", data_path=data_path, seq_length=seq_length, name="anchor_smollm2_135m",
