@@ -1,9 +1,8 @@
 """What Bridge's ``pretrain()`` runs on packed windows: our forward step, and metrics.jsonl like ``nemo-anchor train``.
 
-The forward step is the one our trainer runs (``nemo_anchor.training.engine``): the batch is
+The forward step is the one our trainer runs (``nemo_anchor.training.forward``): the batch is
 sharded for context parallelism and moved to the device by the shared data step
-(:func:`nemo_anchor.nemo.mixin.anchor_data_step`), then one THD pack goes through the model with
-``make_packed_seq_params``; the loss contract (sum, tokens, reported pair) is Megatron's, which
+(:func:`nemo_anchor.nemo.mixin.anchor_data_step`), then one THD pack goes through the model; the loss contract (sum, tokens, reported pair) is Megatron's, which
 Bridge's loop reduces over the data x context-parallel group.
 """
 from __future__ import annotations
@@ -14,24 +13,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.bridge.training.callbacks import Callback, CallbackContext
-from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.nemo.mixin import anchor_data_step
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import throughput
-from nemo_anchor.training.engine import _forward_step
+from nemo_anchor.training.forward import megatron_forward_step
 from nemo_anchor.training.metrics import MetricsLogger
 
 
 def anchor_forward_step(data_iterator, model):
     """Bridge's ``forward_step_func``: one micro-batch of packed windows (``(output, loss function)``)."""
     attention_type = get_model_config(model).anchor_attention_type
-    batch = anchor_data_step(data_iterator, attention_type)
-    cp_group = (parallel_state.get_context_parallel_group()
-                if parallel_state.get_context_parallel_world_size() > 1 else None)
-    return _forward_step(attention_type, cp_group, iter([batch]), model)
+    return megatron_forward_step(iter([anchor_data_step(data_iterator, attention_type)]), model)
 
 
 def flops_model_config(provider) -> ModelConfig:

@@ -14,13 +14,22 @@ from typing import List, Optional
 
 import torch
 from nemo.collections import llm
+from nemo.collections.llm.gpt.model.llama import Llama31Config
 
+from nemo_anchor.nemo import cpu
 from nemo_anchor.nemo.mixin import AnchorConfigMixin
+
+cpu.install()  # NeMo on a machine without CUDA; nothing on CUDA machines
 
 
 @dataclass
 class AnchorLlamaConfig(AnchorConfigMixin, llm.LlamaConfig):
     """``llm.LlamaConfig`` with AnchorAttention."""
+
+
+@dataclass
+class AnchorLlama31Config(AnchorConfigMixin, Llama31Config):
+    """``llm.Llama31Config`` (Llama 3.1/3.2 RoPE frequency scaling) with AnchorAttention."""
 
 
 @dataclass
@@ -80,10 +89,28 @@ class AnchorQwen15Config1P8B(AnchorQwen2Config):
     rotary_base: float = _PAPER_BASE
 
 
-# recipe preset name -> (config class, NeMo model class)
+@dataclass
+class AnchorSmolLM2Config135M(AnchorLlamaConfig):
+    """SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M): a model a CPU can continue to pretrain."""
+
+    num_layers: int = 30
+    hidden_size: int = 576
+    ffn_hidden_size: int = 1536
+    num_attention_heads: int = 9
+    num_query_groups: int = 3
+    kv_channels: int = 64
+    vocab_size: int = 49152
+    share_embeddings_and_output_weights: bool = True
+    init_method_std: float = 0.041666666666666664
+    seq_length: int = 8192
+    rotary_base: float = 100_000.0
+
+
+# recipe preset name -> config class; ``nemo_anchor.nemo.models.MODEL_CLASSES`` gives its NeMo model class
 PRESETS = {
-    "llama2_7b": (AnchorLlama2Config7B, llm.LlamaModel),
-    "llama3_8b": (AnchorLlama3Config8B, llm.LlamaModel),
-    "mistral_7b_v0.3": (AnchorMistral7BV03Config, llm.MistralModel),
-    "qwen1.5_1.8b": (AnchorQwen15Config1P8B, llm.Qwen2Model),
+    "llama2_7b": AnchorLlama2Config7B,
+    "llama3_8b": AnchorLlama3Config8B,
+    "mistral_7b_v0.3": AnchorMistral7BV03Config,
+    "qwen1.5_1.8b": AnchorQwen15Config1P8B,
+    "smollm2_135m": AnchorSmolLM2Config135M,
 }

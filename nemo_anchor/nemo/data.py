@@ -6,11 +6,13 @@ Each micro-batch is ``nemo_anchor.data.collate_windows`` of B windows: ``tokens`
 forward steps (``nemo_anchor.nemo.config``) turn them into ``AnchorPackedSeqParams``: NeMo's
 ``PackedSeqParams`` path with the anchor metadata the core attention needs.
 
-Data-parallel sharding and resumption (consumed samples) are NeMo's: ``MegatronDataSampler``
-replaces the loader's sampler when the trainer sets the module up.
+Data-parallel sharding is NeMo's: ``MegatronDataSampler`` replaces the loader's sampler when the
+trainer sets the module up. Resumption is NeMo's too: the module's ``state_dict`` (saved in every
+checkpoint) holds the windows consumed so far, and a resumed run continues the stream from there,
+as NeMo's own ``PreTrainingDataModule`` does.
 """
 
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
@@ -38,6 +40,7 @@ class AnchorPackedDataModule(pl.LightningDataModule):
         self.seq_length = seq_length
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.num_workers = num_workers
+        self.init_global_step = 0
         train = self._open(path)
         self.tokenizer = AutoTokenizer(str(train.tokenizer_path))
         self.data_sampler = MegatronDataSampler(seq_len=seq_length, micro_batch_size=micro_batch_size,
@@ -55,6 +58,12 @@ class AnchorPackedDataModule(pl.LightningDataModule):
         self._train_ds = self._open(self.path)
         self._valid_ds = self._open(self.valid_path) if self.valid_path else None
 
+    @property
+    def train_dataset(self) -> PackedDataset:
+        if not hasattr(self, "_train_ds"):
+            self.setup()
+        return self._train_ds
+
     def train_dataloader(self) -> DataLoader:
         if not hasattr(self, "_train_ds"):
             self.setup()
@@ -66,13 +75,32 @@ class AnchorPackedDataModule(pl.LightningDataModule):
         return [] if self._valid_ds is None else self._loader(self._valid_ds)
 
     def _loader(self, dataset: PackedDataset) -> DataLoader:
+        self.init_global_step = self.trainer.global_step if self.trainer is not None else 0
+        self.data_sampler.init_global_step = self.init_global_step
         return DataLoader(dataset, batch_size=self.micro_batch_size, num_workers=self.num_workers,
                           collate_fn=collate_windows, persistent_workers=self.num_workers > 0)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Saved with each checkpoint: the windows (samples) the run has consumed."""
+        steps = self.trainer.global_step - self.init_global_step
+        return {"consumed_samples": self.data_sampler.compute_consumed_samples(steps)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """On resume: continue the window stream after the consumed windows (NeMo's ``MegatronDataSampler``)."""
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+        consumed = state_dict["consumed_samples"]
+        self.data_sampler.init_consumed_samples = consumed
+        self.data_sampler.prev_consumed_samples = consumed
+        update_num_microbatches(consumed_samples=consumed, consistency_check=False)
+        self.data_sampler.if_first_step = 1
+
     def reconfigure_limit_batches(self) -> None:
-        """Count ``limit_*_batches`` in micro-batches, as NeMo's own data modules do."""
+        """Count ``limit_*_batches`` in micro-batches, as NeMo's own data modules do; no validation without ``valid_path``."""
         from nemo.collections.llm.gpt.data.utils import _reconfigure_limit_batches
 
-        self.trainer.limit_train_batches = _reconfigure_limit_batches(self.trainer.limit_train_batches, self._train_ds)
-        if self._valid_ds is not None:
+        self.trainer.limit_train_batches = _reconfigure_limit_batches(self.trainer.limit_train_batches, self.train_dataset)
+        if self._valid_ds is None:
+            self.trainer.limit_val_batches = 0
+        else:
             self.trainer.limit_val_batches = _reconfigure_limit_batches(self.trainer.limit_val_batches, self._valid_ds)

@@ -16,10 +16,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_anchor import gpu
 from nemo_anchor.attention.paradigms import get_attention_type
-from nemo_anchor.model.gpt import packed_forward
 from nemo_anchor.model.rope import install_rope_precision_hook
 from nemo_anchor.model.spec import get_layer_spec
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
+from nemo_anchor.training.forward import forward_step
 
 # Keys of a collated batch (``nemo_anchor.data.collate_windows``) that the forward step reads.
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_windows")
@@ -48,15 +48,6 @@ def anchor_data_step(dataloader_iter, attention_type: str = "anchor") -> dict[st
     return batch_for_this_rank({k: batch[k] for k in _BATCH_KEYS}, attention_type, device)
 
 
-def anchor_forward_step(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """NeMo's ``forward_step_fn``: per-token loss ``[B, T]`` of B packed windows run as one THD pack."""
-    from megatron.core import parallel_state
-
-    cp_group = (parallel_state.get_context_parallel_group()
-                if parallel_state.get_context_parallel_world_size() > 1 else None)
-    return packed_forward(model, batch, cp_group)
-
-
 @dataclass
 class AnchorConfigMixin:
     """Put first among the bases of a ``GPTConfig`` / ``GPTModelProvider`` subclass declared ``@dataclass``."""
@@ -64,8 +55,16 @@ class AnchorConfigMixin:
     attention_type: str = "anchor"  # full | intra_doc | intra_doc_reset | anchor
     attention_kernel: str = "auto"  # nemo_anchor.attention backend; `attention_backend` is Megatron's
     rope_in_fp32: bool = False  # rotate q/k in fp32 (the unfused RoPE path)
+    # YaRN (position_embedding_type="yarn"): what Megatron's GPTModel reads, as in AnchorTransformerConfig
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     transformer_layer_spec: Union[ModuleSpec, Callable] = anchor_layer_spec
-    forward_step_fn: Callable = anchor_forward_step
+    forward_step_fn: Callable = forward_step  # the forward step `nemo-anchor train` runs
     data_step_fn: Callable = anchor_data_step
 
     def __post_init__(self):
@@ -78,11 +77,18 @@ class AnchorConfigMixin:
                              "with AnchorCoreAttention; set window_size to null")
         if self.data_step_fn is anchor_data_step:
             self.data_step_fn = functools.partial(anchor_data_step, attention_type=self.attention_type)
+        if not torch.cuda.is_available():
+            self.use_cpu_initialization = True  # Megatron would otherwise allocate the weights on CUDA
         if gpu.transformer_engine_pytorch()[0] is None:
             # Without TE the layers come from Megatron's local spec, whose torch RMSNorm and
             # unfused RoPE compute the same thing as the fused kernels these flags ask for.
             self.apply_rope_fusion = False
             self.persist_layer_norm = False
+        if not self.num_attention_heads:
+            # unsized: a placeholder whose shape comes from elsewhere, as in
+            # llm.import_ckpt(model=AnchorLlamaModel(AnchorLlamaConfig()), source="hf://...");
+            # Megatron's checks (which divide by the head count) run when a sized config is made
+            return
         super().__post_init__()
 
     @property

@@ -16,11 +16,15 @@ any field, for example::
       restore_config:
         path: /ckpt/llama2-7b-nemo       # `nemo llm import` of the HF model to continue from
 
-Training itself needs CUDA GPUs (NeMo's MegatronStrategy); see ``configs/nemo/README.md``.
+The same recipes run on GPUs (bf16, NCCL) and on a machine without CUDA (fp32, gloo, CPU:
+``nemo_anchor.nemo.cpu``); ``anchor_smollm2_135m`` is the one small enough to train on a CPU.
+Every run writes ``metrics.jsonl`` in its log directory (``AnchorMetricsCallback``). See
+``configs/nemo/README.md``.
 """
 
 from typing import Optional
 
+import lightning.pytorch as pl
 import nemo_run as run
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -30,46 +34,68 @@ from nemo.collections.llm.recipes.log.default import default_log, default_resume
 from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed
 
 from nemo_anchor.model.config import paper_rotary_base
-from nemo_anchor.nemo.config import PRESETS
+from nemo_anchor.nemo import cpu
+from nemo_anchor.nemo.config import PRESETS, AnchorLlamaConfig, AnchorMistralConfig, AnchorQwen2Config
 from nemo_anchor.nemo.data import AnchorPackedDataModule
+from nemo_anchor.nemo.metrics import AnchorMetricsCallback
+from nemo_anchor.nemo.models import AnchorLlamaModel, AnchorMistralModel, AnchorQwen2Model, model_class_for
 
 
 def anchor_trainer(num_nodes: int = 1, num_gpus_per_node: int = 8, tensor_parallelism: int = 1,
                    context_parallelism: int = 8, max_steps: int = 2000) -> run.Config[nl.Trainer]:
-    """GPU trainer: Megatron strategy, bf16 mixed precision (fp32 master weights and grads), no sampler of Lightning's."""
+    """Megatron strategy, no sampler of Lightning's, ``metrics.jsonl``; on GPUs bf16 mixed precision
+    (fp32 master weights and grads), without CUDA fp32 on the CPU.
+
+    Gradients are summed over data-parallel ranks (``average_in_collective=False``) and the
+    configs' ``calculate_per_token_loss`` divides them by the global batch's loss tokens, so a
+    multi-rank packed run equals one rank (gloo's AVG reduce-scatter sums, pytorch#162338).
+    """
+    on_cpu = cpu.on_cpu()
     strategy = run.Config(
         nl.MegatronStrategy,
         tensor_model_parallel_size=tensor_parallelism,
         context_parallel_size=context_parallelism,
         sequence_parallel=tensor_parallelism > 1,
-        ckpt_async_save=True,
+        ckpt_async_save=not on_cpu,
         ckpt_parallel_load=True,
         gradient_as_bucket_view=True,
-        ddp=run.Config(DistributedDataParallelConfig, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                       overlap_param_gather=True, average_in_collective=True, check_for_nan_in_grad=True),
+        ddp=run.Config(DistributedDataParallelConfig, grad_reduce_in_fp32=True, overlap_grad_reduce=not on_cpu,
+                       overlap_param_gather=not on_cpu, average_in_collective=False, check_for_nan_in_grad=True),
     )
     return run.Config(
         nl.Trainer,
-        accelerator="gpu",
+        accelerator="cpu" if on_cpu else "gpu",
         devices=num_gpus_per_node,
         num_nodes=num_nodes,
         strategy=strategy,
-        plugins=bf16_mixed(),
+        plugins=None if on_cpu else bf16_mixed(),
         max_steps=max_steps,
         log_every_n_steps=1,
         val_check_interval=max_steps,
+        check_val_every_n_epoch=None,  # val_check_interval counts steps, not a fraction of an epoch
         limit_val_batches=8,
         use_distributed_sampler=False,
+        callbacks=[run.Config(AnchorMetricsCallback)],
     )
 
 
 def anchor_optimizer(lr: float = 2e-5) -> run.Config[nl.MegatronOptimizerModule]:
-    """The paper's AdamW: weight decay 0.1, betas (0.9, 0.95), constant learning rate 2e-5, clipping at 1."""
+    """The paper's AdamW: weight decay 0.1, betas (0.9, 0.95), constant learning rate 2e-5 (no
+    scheduler), clipping at 1; bf16 on GPUs."""
     return run.Config(
         nl.MegatronOptimizerModule,
         config=run.Config(OptimizerConfig, optimizer="adam", lr=lr, weight_decay=0.1, adam_beta1=0.9,
-                          adam_beta2=0.95, clip_grad=1.0, bf16=True, use_distributed_optimizer=True),
+                          adam_beta2=0.95, clip_grad=1.0, bf16=not cpu.on_cpu(), use_distributed_optimizer=True),
     )
+
+
+def anchor_log(dir: Optional[str], name: str) -> run.Config[nl.NeMoLogger]:
+    """NeMo's default logger; its last checkpoint keeps the optimizer state (a resume continues the
+    run exactly), and the checkpoint name needs no validation loss (the runs have none by default)."""
+    log = default_log(dir=dir, name=name, tensorboard_logger=tensorboard_logger(name=name))
+    log.ckpt.filename = "{step}-{consumed_samples}"
+    log.ckpt.save_optim_on_train_end = True
+    return log
 
 
 def anchor_pretrain_recipe(
@@ -87,7 +113,9 @@ def anchor_pretrain_recipe(
     global_batch_size: int = 8,
     micro_batch_size: int = 1,
     lr: float = 2e-5,
+    rotary_base: Optional[float] = None,
     recompute_num_layers: Optional[int] = None,
+    restore_path: Optional[str] = None,
 ) -> run.Partial:
     """``llm.pretrain`` of a paper preset (``nemo_anchor.nemo.config.PRESETS``) on packed windows.
 
@@ -95,52 +123,98 @@ def anchor_pretrain_recipe(
     ``data_path`` is a ``nemo-anchor pack`` directory packed at ``seq_length``.
     ``recompute_num_layers``: full activation recompute (block method) of that many layers per
     GPU; the presets below pass what ``nemo-anchor plan`` needs to fit 8x 80 GB at 128K.
+    ``restore_path``: the weights to start from (``nemo llm import`` / ``llm.import_ckpt`` output);
+    the same as ``resume.restore_config.path``.
     """
+    rotary_base = paper_rotary_base(seq_length) if rotary_base is None else rotary_base
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r}: choose one of {sorted(PRESETS)}")
-    config_class, model_class = PRESETS[preset]
+    config_class = PRESETS[preset]
     recompute = ({} if not recompute_num_layers else
                  dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_num_layers))
-    model = run.Config(model_class, config=run.Config(
-        config_class, attention_type=attention_type, seq_length=seq_length,
-        rotary_base=paper_rotary_base(seq_length), **recompute))
+    # cross_entropy_loss_fusion is off: on the CPU it differs from the plain loss by 5e-5 after a step
+    model = run.Config(model_class_for(config_class), config=run.Config(
+        config_class, attention_type=attention_type, seq_length=seq_length, rotary_base=rotary_base,
+        calculate_per_token_loss=True, cross_entropy_loss_fusion=False, **recompute))
     data = run.Config(AnchorPackedDataModule, path=data_path, seq_length=seq_length,
                       micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    resume = default_resume()
+    if restore_path is not None:
+        resume.restore_config = run.Config(nl.RestoreConfig, path=restore_path)
     return run.Partial(
         llm.pretrain,
         model=model,
         trainer=anchor_trainer(num_nodes, num_gpus_per_node, tensor_parallelism, context_parallelism, max_steps),
         data=data,
-        log=default_log(dir=dir, name=name, tensorboard_logger=tensorboard_logger(name=name)),
+        log=anchor_log(dir, name),
         optim=anchor_optimizer(lr),
-        resume=default_resume(),
+        resume=resume,
     )
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_llama2_7b")
-def anchor_llama2_7b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+def anchor_llama2_7b(data_path: Optional[str] = None, seq_length: int = 131_072,
+                     restore_path: Optional[str] = None) -> run.Partial:
     """Llama-2-7B, the paper's main model (planner: 27 recomputed layers at 128K on 8x 80 GB, 17 at 64K)."""
     return anchor_pretrain_recipe("llama2_7b", data_path=data_path, seq_length=seq_length, name="anchor_llama2_7b",
-                                  recompute_num_layers=27 if seq_length > 65_536 else 17)
+                                  recompute_num_layers=27 if seq_length > 65_536 else 17, restore_path=restore_path)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_llama3_8b")
-def anchor_llama3_8b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+def anchor_llama3_8b(data_path: Optional[str] = None, seq_length: int = 131_072,
+                     restore_path: Optional[str] = None) -> run.Partial:
     """Llama-3-8B (planner: every layer recomputed at 128K on 8x 80 GB)."""
     return anchor_pretrain_recipe("llama3_8b", data_path=data_path, seq_length=seq_length, name="anchor_llama3_8b",
-                                  recompute_num_layers=32)
+                                  recompute_num_layers=32, restore_path=restore_path)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_mistral_7b_v03")
-def anchor_mistral_7b_v03(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+def anchor_mistral_7b_v03(data_path: Optional[str] = None, seq_length: int = 131_072,
+                          restore_path: Optional[str] = None) -> run.Partial:
     """Mistral-7B-v0.3 (planner: 28 recomputed layers at 128K on 8x 80 GB)."""
     return anchor_pretrain_recipe("mistral_7b_v0.3", data_path=data_path, seq_length=seq_length,
-                                  name="anchor_mistral_7b_v03", recompute_num_layers=28)
+                                  name="anchor_mistral_7b_v03", recompute_num_layers=28, restore_path=restore_path)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_qwen15_1p8b")
-def anchor_qwen15_1p8b(data_path: Optional[str] = None, seq_length: int = 131_072) -> run.Partial:
+def anchor_qwen15_1p8b(data_path: Optional[str] = None, seq_length: int = 131_072,
+                       restore_path: Optional[str] = None) -> run.Partial:
     """Qwen-1.5-1.8B: no BOS token; pack with a tokenizer whose anchor is EOS (Section 5.3)."""
     return anchor_pretrain_recipe("qwen1.5_1.8b", data_path=data_path, seq_length=seq_length,
                                   name="anchor_qwen15_1p8b", tensor_parallelism=1, context_parallelism=4,
-                                  recompute_num_layers=15)  # planner: 15 layers at 128K, CP 4 x DP 2
+                                  recompute_num_layers=15, restore_path=restore_path)  # planner: 15 layers at 128K, CP 4 x DP 2
+
+
+@run.cli.factory(target=llm.pretrain, name="anchor_smollm2_135m")
+def anchor_smollm2_135m(data_path: Optional[str] = None, seq_length: int = 8192,
+                        restore_path: Optional[str] = None) -> run.Partial:
+    """SmolLM2-135M continued with AnchorAttention: one GPU or a CPU (no model or context parallelism).
+
+    ``restore_path``: SmolLM2 imported into NeMo (``nemo llm import
+    model=nemo_anchor.nemo.recipes.anchor_llama source=hf://DIR output_path=OUT``) to continue
+    from it. The RoPE base stays SmolLM2's 1e5 at its own 8K window.
+    """
+    on_cpu = cpu.on_cpu()
+    return anchor_pretrain_recipe("smollm2_135m", data_path=data_path, seq_length=seq_length, name="anchor_smollm2_135m",
+                                  num_gpus_per_node=1, context_parallelism=1, global_batch_size=8,
+                                  rotary_base=100_000.0, lr=2e-5, restore_path=restore_path,
+                                  max_steps=100 if on_cpu else 2000)
+
+
+# Model factories for `nemo llm import model=... source=hf://DIR`: the HF config decides the shape.
+@run.cli.factory(name="anchor_llama")
+def anchor_llama() -> run.Config[pl.LightningModule]:
+    """An ``AnchorLlamaModel`` (Llama, SmolLM2) to import a Hugging Face model into."""
+    return run.Config(AnchorLlamaModel, config=run.Config(AnchorLlamaConfig))
+
+
+@run.cli.factory(name="anchor_mistral")
+def anchor_mistral() -> run.Config[pl.LightningModule]:
+    """An ``AnchorMistralModel`` to import a Hugging Face model into."""
+    return run.Config(AnchorMistralModel, config=run.Config(AnchorMistralConfig))
+
+
+@run.cli.factory(name="anchor_qwen2")
+def anchor_qwen2() -> run.Config[pl.LightningModule]:
+    """An ``AnchorQwen2Model`` to import a Hugging Face model into."""
+    return run.Config(AnchorQwen2Model, config=run.Config(AnchorQwen2Config))

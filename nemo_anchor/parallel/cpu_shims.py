@@ -12,6 +12,8 @@ one CUDA assumption to its CPU equivalent without changing the arithmetic:
   ``torch.cuda.current_device()`` is the CPU, streams and synchronisation are no-ops.
 - RNG tracker: ``CudaRNGStatesTracker`` and activation recompute save/restore CUDA RNG state;
   on the CPU the tracked state is the CPU generator's.
+- pinned host tensors: ``torch.tensor(x, pin_memory=True).to("cuda")`` (NeMo's step logging) stays
+  an ordinary CPU tensor.
 - ``get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True`` then ``.cuda()``.
 - type checks: the optimizers tell bf16 from fp32 parameters by CUDA tensor type names; inside
   those functions CPU tensors report the CUDA name of their dtype.
@@ -149,10 +151,24 @@ class _TorchOnCpu:
             return value
 
         @functools.wraps(value)
-        def on_cpu(*args, device=None, **kwargs):
-            return value(*args, device=_cpu_if_cuda(device), **kwargs)
+        def on_cpu(*args, device=None, pin_memory=False, **kwargs):
+            tensor = value(*args, device=_cpu_if_cuda(device), **kwargs)
+            return tensor.as_subclass(_HostTensor) if pin_memory else tensor
 
         return on_cpu
+
+
+class _HostTensor(torch.Tensor):
+    """A tensor asked to be pinned for a copy to CUDA: the copy (``.to("cuda")``, ``.cuda()``) is itself."""
+
+    def to(self, *args, **kwargs):
+        args = tuple(_cpu_if_cuda(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        return torch.Tensor.to(self.as_subclass(torch.Tensor), *args, **kwargs)
+
+    def cuda(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor)
 
 
 def _patch_rng_tracker() -> None:

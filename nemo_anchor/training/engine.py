@@ -19,9 +19,8 @@ What Megatron-LM and NeMo run, built from Megatron-Core's own pieces:
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,9 +35,9 @@ from nemo_anchor import gpu
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 from nemo_anchor.model.gpt import AnchorTransformerConfig, build_gpt_model, transformer_config
-from nemo_anchor.model.packed_seq import make_packed_seq_params
 from nemo_anchor.parallel.distributed import ParallelContext
 from nemo_anchor.training.config import RunConfig
+from nemo_anchor.training.forward import megatron_forward_step
 
 
 @dataclass
@@ -131,38 +130,19 @@ def _variable_microbatch_length(config: RunConfig) -> bool:
             and get_attention_type(m.attention_type).rope_restarts != "window")
 
 
-def _forward_step(attention_type: str, cp_group, data_iterator: Iterator[dict], model):
-    """Megatron's ``forward_step_func``: one micro-batch of packed windows through this stage."""
-    batch = next(data_iterator)
-    b, t = batch["tokens"].shape
-    params = make_packed_seq_params(batch["cu_seqlens"], batch["cu_windows"], attention_type, cp_group)
-    output = model(input_ids=batch["tokens"].reshape(1, b * t), position_ids=batch["position_ids"].reshape(1, b * t),
-                   attention_mask=None, labels=batch["labels"].reshape(1, b * t), packed_seq_params=params)
-    return output, functools.partial(_loss_sum, batch["loss_mask"].reshape(-1))
-
-
-def _loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """(sum of the masked per-token loss, its token count, the two for reporting): Megatron's per-token loss contract."""
-    mask = loss_mask.float()
-    loss_sum = (per_token_loss.float().reshape(-1) * mask).sum()
-    tokens = mask.sum()
-    return loss_sum, tokens.to(torch.int), {"loss": torch.stack([loss_sum.detach(), tokens])}
-
-
 def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, forward_only: bool) -> torch.Tensor:
     """Forward (and backward) every micro-batch; returns float64 ``[loss sum, loss tokens]`` over the world.
 
     ``batches`` are this rank's micro-batches (collated, context-parallel sharded, on the device).
     Gradients are reduced and divided by the global token count inside, via ``finalize_model_grads``.
     """
-    cp_group = parallel_state.get_context_parallel_group() if config.model.context_parallel_size > 1 else None
     # Megatron's schedules take the full micro-batch length and divide it by the context- (and, with
     # sequence parallelism, tensor-) parallel size for the pipeline's send/recv shapes; batches hold
     # this context-parallel rank's share of the packed tokens
     tokens_per_microbatch = batches[0]["tokens"].numel() * config.model.context_parallel_size
     with bf16_matmuls_in_fp32(config.trainer.precision, batches[0]["tokens"].device):
         reported = get_forward_backward_func()(
-            forward_step_func=functools.partial(_forward_step, config.model.attention_type, cp_group),
+            forward_step_func=megatron_forward_step,
             data_iterator=iter(batches), model=[engine.model], num_microbatches=len(batches),
             seq_length=tokens_per_microbatch, micro_batch_size=1, forward_only=forward_only)
     totals = torch.zeros(2, dtype=torch.float64, device=batches[0]["tokens"].device)

