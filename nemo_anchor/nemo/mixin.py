@@ -16,6 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_anchor import gpu
 from nemo_anchor.attention.paradigms import get_attention_type
+from nemo_anchor.model.gpt import YarnFields
 from nemo_anchor.model.rope import install_rope_precision_hook
 from nemo_anchor.model.spec import get_layer_spec
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
@@ -49,20 +50,12 @@ def anchor_data_step(dataloader_iter, attention_type: str = "anchor") -> dict[st
 
 
 @dataclass
-class AnchorConfigMixin:
+class AnchorConfigMixin(YarnFields):
     """Put first among the bases of a ``GPTConfig`` / ``GPTModelProvider`` subclass declared ``@dataclass``."""
 
     attention_type: str = "anchor"  # full | intra_doc | intra_doc_reset | anchor
     attention_kernel: str = "auto"  # nemo_anchor.attention backend; `attention_backend` is Megatron's
     rope_in_fp32: bool = False  # rotate q/k in fp32 (the unfused RoPE path)
-    # YaRN (position_embedding_type="yarn"): what Megatron's GPTModel reads, as in AnchorTransformerConfig
-    yarn_rotary_scaling_factor: float = 1.0
-    yarn_original_max_position_embeddings: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    yarn_mscale_all_dim: float = 0.0
-    yarn_correction_range_round_to_int: bool = True
     transformer_layer_spec: Union[ModuleSpec, Callable] = anchor_layer_spec
     forward_step_fn: Callable = forward_step  # the forward step `nemo-anchor train` runs
     data_step_fn: Callable = anchor_data_step
