@@ -212,7 +212,7 @@ def verify_files(ckpt_dir: str | os.PathLike) -> None:
     how many bytes of which file each tensor occupies.
     """
     ckpt_dir = Path(ckpt_dir)
-    problem = None
+    problem = sums = None  # rank 0 reads them; every rank gets them
     if _rank() == 0:
         try:
             sums = json.loads((ckpt_dir / CHECKSUMS).read_text()) if (ckpt_dir / CHECKSUMS).is_file() else None

@@ -3,7 +3,8 @@
 Three kinds of keys (dotted names of the run config):
 
 - keys that only say how the run is executed or logged (:data:`FREE`: ``trainer.max_steps``,
-  logging, evaluation and save intervals, micro-batch size, recompute, context-parallel size, ...;
+  logging, evaluation and save intervals, micro-batch size, recompute, the tensor-, pipeline- and
+  context-parallel sizes, ...;
   and ``model.init_from_hf``, which a resume does not read) change on resume; the change is
   reported in one line;
 - keys Megatron-LM users change on purpose mid-run (:data:`ALLOWABLE`: the LR schedule,
@@ -34,6 +35,8 @@ FREE = frozenset({
     "checkpoint.save_every", "checkpoint.keep_last", "checkpoint.resume", "checkpoint.allow_change",
     "data.valid_path", "model.recompute", "model.recompute_num_layers", "model.context_parallel_size",
     "model.cp_comm_type", "model.attention_backend",
+    # checkpoints are in model space (nemo_anchor.training.optimizer_state): any layout resumes them
+    "model.tensor_model_parallel_size", "model.pipeline_model_parallel_size",
     "model.init_from_hf",  # read by fresh runs only: a resume takes its weights from the checkpoint
 })
 DATA_KEY = "data.path"
