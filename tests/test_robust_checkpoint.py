@@ -4,38 +4,19 @@ import json
 import os
 
 import pytest
-import yaml
 
-from nemo_anchor.cli import main
-from nemo_anchor.data import PackOptions, pack
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training.checkpoint import CHECKSUMS
-
-TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4] * 8
+from tiny_runs import pack_texts, train_tiny  # tests/tiny_runs.py
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("robust_checkpoint")
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    pack([corpus], "byte", root / "byte", PackOptions(seq_length=64))
-    return root / "byte"
+    return pack_texts(tmp_path_factory.mktemp("robust_checkpoint"))
 
 
 def train(tmp_path, data_path, *overrides):
-    config = {
-        "output_dir": str(tmp_path / "run"),
-        "model": {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2,
-                  "num_query_groups": 1, "seq_length": 64},
-        "data": {"path": str(data_path)},
-        "trainer": {"max_steps": 4, "global_batch_size": 1, "micro_batch_size": 1, "precision": "fp32",
-                    "progress_bar": False},
-        "checkpoint": {"save_every": 2, "keep_last": 2},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return main(["train", "--config", str(path), *overrides])
+    return train_tiny(tmp_path / "run", data_path, *overrides)
 
 
 def test_a_shard_overwritten_with_same_size_garbage_falls_back_to_the_previous_checkpoint(data, tmp_path, capsys):

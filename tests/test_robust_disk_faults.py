@@ -2,20 +2,16 @@
 partial output is removed and the earlier output is intact (real small file systems where this user
 may mount them, the same faults raised by hand everywhere)."""
 import errno
-import json
 import os
 import subprocess
 import uuid
 
 import pytest
-import yaml
 
 from nemo_anchor.atomic import OutputError, atomic_directory, atomic_file
 from nemo_anchor.cli import main
-from nemo_anchor.data import PackOptions, pack
 from nemo_anchor.run_dir import RunDir, checkpoint_step
-
-TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4] * 8
+from tiny_runs import TEXTS, pack_texts, train_tiny  # tests/tiny_runs.py
 
 
 def _mount(path, options):
@@ -45,27 +41,14 @@ def small_disk(tmp_path):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("disk_faults")
-    path = root / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": t + str(i)}) + "\n" for i, t in enumerate(TEXTS * 20)))
-    pack([path], "byte", root / "packed", PackOptions(seq_length=64))
-    return path, root / "packed"
+    packed = pack_texts(root, [t + str(i) for i, t in enumerate(TEXTS * 20)], name="packed")
+    return root / "corpus.jsonl", packed
 
 
 def train(output_dir, data_path, *overrides):
     """(status, error line): the trainer's one-line error, whether it is printed or raised."""
-    config = {
-        "output_dir": str(output_dir),
-        "model": {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2,
-                  "num_query_groups": 1, "seq_length": 64},
-        "data": {"path": str(data_path)},
-        "trainer": {"max_steps": 4, "global_batch_size": 1, "micro_batch_size": 1, "precision": "fp32",
-                    "progress_bar": False},
-        "checkpoint": {"save_every": 2, "keep_last": 2},
-    }
-    path = output_dir.parent / f"{output_dir.name}.yaml"
-    path.write_text(yaml.safe_dump(config))
     try:
-        return main(["train", "--config", str(path), *overrides]), ""
+        return train_tiny(output_dir, data_path, *overrides), ""
     except OutputError as error:
         return 2, str(error)
 
