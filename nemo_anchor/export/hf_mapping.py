@@ -26,6 +26,7 @@ import torch
 
 from nemo_anchor.compat import hf_rope, hf_rope_fields
 from nemo_anchor.export.megatron_state import fuse_qkv, split_qkv
+from nemo_anchor.export.weight_match import config_key_explainer, match_weights
 from nemo_anchor.model.config import LLAMA3_ROPE, ModelConfig
 
 # HF rope_scaling keys we read, per rope_type, with the values Megatron-Core implements (None: any value)
@@ -236,6 +237,7 @@ _HF_AXIS_KEYS = {
     "down_proj": ("hidden_size", "intermediate_size"),
     "layernorm": ("hidden_size",), "norm": ("hidden_size",),
 }
+_HF_LAYER = re.compile(r"model\.layers\.\d+\.")
 _HF_IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved; recomputed from the config
 
 
@@ -257,20 +259,10 @@ def hf_config_key(cfg: ModelConfig, vocab_size: int, source: str = "config.json"
     values = {"vocab_size": vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
               "num_attention_heads x head_dim": f"{cfg.num_attention_heads} x {cfg.kv_channels}",
               "num_key_value_heads x head_dim": f"{cfg.num_query_groups} x {cfg.kv_channels}"}
-
-    def explain(name: str, axis: Optional[int]) -> str:
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
-        if axis is None and layer is not None:
-            return f"{source} (num_hidden_layers={cfg.num_layers})"
-        if axis is None and name == "lm_head.weight":
-            return f"{source} (tie_word_embeddings={cfg.tie_embeddings})"
-        module = name.rsplit(".", 2)[-2]
-        keys = next((keys for part, keys in _HF_AXIS_KEYS.items() if module.endswith(part)), ())
-        if axis is None or axis >= len(keys):
-            return f"{source} ({cfg.architecture}, num_hidden_layers={cfg.num_layers})"
-        return f"{source} ({keys[axis]}={values[keys[axis]]})"
-
-    return explain
+    return config_key_explainer(
+        source, _HF_AXIS_KEYS, values, is_layer=_HF_LAYER.match, layers=f"num_hidden_layers={cfg.num_layers}",
+        head="lm_head.weight", tied=f"tie_word_embeddings={cfg.tie_embeddings}",
+        fallback=f"{cfg.architecture}, num_hidden_layers={cfg.num_layers}")
 
 
 def check_hf_weights(found: Mapping[str, tuple[int, ...]], cfg: ModelConfig, vocab_size: int, *, source: str,
@@ -280,8 +272,6 @@ def check_hf_weights(found: Mapping[str, tuple[int, ...]], cfg: ModelConfig, voc
     With tied embeddings an ``lm_head.weight`` in the weights is accepted only as a copy of
     ``model.embed_tokens.weight``: ``read(names) -> {name: tensor}`` reads the two to compare.
     """
-    from nemo_anchor.export.weight_match import match_weights
-
     found = {name: shape for name, shape in found.items() if not name.endswith(_HF_IGNORED)}
     expected = hf_expected_shapes(cfg, vocab_size)
     if cfg.tie_embeddings:

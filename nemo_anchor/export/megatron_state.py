@@ -23,6 +23,7 @@ from typing import Mapping
 
 import torch
 
+from nemo_anchor.export.weight_match import config_key_explainer, match_weights
 from nemo_anchor.model.config import ModelConfig
 
 _TE_TO_LOCAL = {
@@ -83,8 +84,6 @@ def expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, .
 def check_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int, *, source: str) -> None:
     """ValueError naming the first mismatched, missing or unused tensor of a canonical state
     (:func:`~nemo_anchor.export.weight_match.match_weights`), with both shapes and the config key."""
-    from nemo_anchor.export.weight_match import match_weights
-
     found = {key: tuple(value.shape) for key, value in state.items()}
     if cfg.tie_embeddings:
         found.pop("output_layer.weight", None)  # some writers keep the tied copy
@@ -108,19 +107,10 @@ def _config_key(cfg: ModelConfig, vocab_size: int):
                   f"({cfg.num_attention_heads} + 2 x {cfg.num_query_groups}) x {cfg.kv_channels}",
               "num_attention_heads x kv_channels": f"{cfg.num_attention_heads} x {cfg.kv_channels}",
               "2 x ffn_hidden_size": f"2 x {cfg.ffn_hidden_size}", "ffn_hidden_size": cfg.ffn_hidden_size}
-
-    def explain(name: str, axis: int | None) -> str:
-        if axis is None and _LAYER_KEY.match(name):
-            return f"the model config (num_layers={cfg.num_layers})"
-        if axis is None and name == "output_layer.weight":
-            return f"the model config (tie_embeddings={cfg.tie_embeddings})"
-        module = name.rsplit(".", 2)[-2]
-        keys = next((keys for part, keys in _AXIS_KEYS.items() if module.endswith(part)), ())
-        if axis is None or axis >= len(keys):
-            return f"the model config ({cfg.architecture}, add_qkv_bias={cfg.qkv_bias})"
-        return f"the model config ({keys[axis]}={values[keys[axis]]})"
-
-    return explain
+    return config_key_explainer(
+        "the model config", _AXIS_KEYS, values, is_layer=_LAYER_KEY.match, layers=f"num_layers={cfg.num_layers}",
+        head="output_layer.weight", tied=f"tie_embeddings={cfg.tie_embeddings}",
+        fallback=f"{cfg.architecture}, add_qkv_bias={cfg.qkv_bias}")
 
 
 def split_qkv(fused: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ of Hugging Face directories, and the NeMo importers.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 Shape = tuple[int, ...]
 # (tensor name, axis that differs or None for a missing/unused tensor) -> the config key deciding it, e.g.
@@ -43,3 +43,24 @@ def match_weights(found: Mapping[str, Shape], expected: Mapping[str, Shape], *, 
     name = unused[0]
     raise ValueError(f"{source}: tensor {name} of shape {tuple(found[name])} in the weights is not used by "
                      f"{explain(name, None)}{more}")
+
+
+def config_key_explainer(where: str, axis_keys: Mapping[str, Sequence[str]], values: Mapping[str, object], *,
+                         is_layer: Callable[[str], object], layers: str, head: str, tied: str,
+                         fallback: str) -> Explain:
+    """An :data:`Explain` for one naming scheme: ``axis_keys`` maps a module-name suffix to the config key of
+    each axis of its tensors, ``values`` each key to its value; a missing or unused tensor of a layer
+    (``is_layer``) is down to the layer count (``layers``), the output layer ``head`` to ``tied``."""
+
+    def explain(name: str, axis: Optional[int]) -> str:
+        if axis is None and is_layer(name):
+            return f"{where} ({layers})"
+        if axis is None and name == head:
+            return f"{where} ({tied})"
+        module = name.rsplit(".", 2)[-2]
+        keys = next((keys for part, keys in axis_keys.items() if module.endswith(part)), ())
+        if axis is None or axis >= len(keys):
+            return f"{where} ({fallback})"
+        return f"{where} ({keys[axis]}={values[keys[axis]]})"
+
+    return explain
