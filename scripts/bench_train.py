@@ -11,8 +11,8 @@ step whose documents have seeded log-normal lengths. ``--model tiny`` is a small
 model; ``--model smollm2`` is SmolLM2-135M's shape (30 layers, hidden 576, vocabulary 49152, read
 from the directory ``nemo_anchor.export.pretrained`` prepares), randomly initialised: the
 weights' values do not change the time. Prints tokens/s, the ratio against `full` at the same
-window, achieved TFLOP/s and MFU (the step's FLOPs from nemo_anchor.model.flops over the step
-time, against the trainer's peak: the fastest matmul in the training precision this CPU has shown, measured
+window, achieved TFLOP/s, MFU and HFU (the step's model and hardware FLOPs from nemo_anchor.model.flops
+over the step time, against the trainer's peak; HFU adds the recomputed forward: the fastest matmul in the training precision this CPU has shown, measured
 in the same process and remembered across runs), and peak RSS.
 
 ``--precision auto`` (the default) trains in the precision whose matmuls run faster on this
@@ -41,6 +41,7 @@ def worker(args) -> dict:
     from nemo_anchor.training.config import RunConfig, TrainerConfig
     from nemo_anchor.model.flops import train_step_flops
     from nemo_anchor.training.engine import build_engine, train_step
+    from nemo_anchor.training.throughput import rates as throughput_rates
     from nemo_anchor.training.throughput import resolve_peak_tflops
 
     T = args.length
@@ -71,10 +72,12 @@ def worker(args) -> dict:
         times.append(time.perf_counter() - start)
     step = min(times[args.warmup:])
     profile = profile_step(lambda: train_step(engine, config, [batch])) if args.profile else None
-    tflops = train_step_flops(config.model, vocab, [batch["cu_seqlens"]]) / step / 1e12
+    flops = train_step_flops(config.model, vocab, [batch["cu_seqlens"]])
     peak, _ = resolve_peak_tflops(None, torch.device("cpu"), args.precision)  # as the trainer's MFU
+    rates = throughput_rates(flops, step, 1, peak)
     return {"kind": args.kind, "length": T, "documents": len(batch["cu_seqlens"]) - 1, "step_s": step,
-            "tokens_per_s": T / step, "tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak,
+            "tokens_per_s": T / step, "tflops": rates["tflops_per_device"], "mfu": rates["mfu"],
+            "hfu": rates["hfu"], "peak_tflops": peak,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "profile": profile}
 
 
@@ -112,7 +115,7 @@ def main() -> None:
               + f" -> training in {args.precision}")
     print(f"model {args.model}, {args.precision}, {args.steps} timed step(s) after {args.warmup} warm-up (best kept)")
     print(f"{'window':>7} {'attention_type':>16} {'docs':>5} {'step s':>8} {'tokens/s':>9} {'x full':>7} "
-          f"{'TFLOP/s':>8} {'MFU':>6} {'peak RSS MB':>12}")
+          f"{'TFLOP/s':>8} {'MFU':>6} {'HFU':>6} {'peak RSS MB':>12}")
     for length in args.lengths:
         full = None
         for kind in args.kinds:
@@ -124,7 +127,7 @@ def main() -> None:
             full = row["tokens_per_s"] if kind == "full" else full
             ratio = f"{row['tokens_per_s'] / full:.2f}" if full else "-"
             print(f"{length:>7} {kind:>16} {row['documents']:>5} {row['step_s']:>8.3f} {row['tokens_per_s']:>9.0f} "
-                  f"{ratio:>7} {row['tflops']:>8.4f} {row['mfu']:>6.1%} {row['peak_rss_mb']:>12.0f}", flush=True)
+                  f"{ratio:>7} {row['tflops']:>8.4f} {row['mfu']:>6.1%} {row['hfu']:>6.1%} {row['peak_rss_mb']:>12.0f}", flush=True)
             if row["profile"]:
                 print(row["profile"], flush=True)
 

@@ -7,7 +7,7 @@ import yaml
 
 from nemo_anchor.cli import main as cli
 from nemo_anchor.data import PackedDataset, WindowSampler
-from nemo_anchor.model.flops import train_step_flops
+from nemo_anchor.model.flops import StepFlops, train_step_flops
 from nemo_anchor.training import throughput
 from nemo_anchor.training.config import load_config
 
@@ -47,8 +47,11 @@ def test_metrics_rows_carry_tflops_and_mfu_from_the_flop_count(tmp_path, packed)
     for row in rows:
         windows = sampler.next_global_batch(2)
         flops = train_step_flops(run.model, dataset.tokenizer.vocab_size, [dataset[i]["cu_seqlens"] for i in windows])
-        assert row["tflops_per_device"] == pytest.approx(flops / row["step_time_s"] / 1e12, rel=1e-9)
+        assert row["tflops_per_device"] == pytest.approx(flops.model / row["step_time_s"] / 1e12, rel=1e-9)
         assert row["mfu"] == pytest.approx(row["tflops_per_device"] / 0.05, rel=1e-9)
+        # selective recompute runs the attention core's forward again: HFU counts it, MFU does not
+        assert flops.hardware > flops.model
+        assert row["hfu"] == pytest.approx(flops.hardware / row["step_time_s"] / 1e12 / 0.05, rel=1e-9)
 
 
 def test_peak_sources():
@@ -60,8 +63,8 @@ def test_peak_sources():
     assert throughput.resolve_peak_tflops(123.0, torch.device("cpu"), "bf16") == (123.0, "trainer.peak_tflops")
     measured, source = throughput.resolve_peak_tflops(None, torch.device("cpu"), "fp32")
     assert measured > 0 and "measured" in source
-    rates = throughput.rates(flops=6e12, seconds=2.0, devices=3, peak_tflops=2.0)
-    assert rates == {"tflops_per_device": pytest.approx(1.0), "mfu": pytest.approx(0.5)}
+    rates = throughput.rates(flops=StepFlops(model=6e12, hardware=8e12), seconds=2.0, devices=3, peak_tflops=2.0)
+    assert rates == {"tflops_per_device": pytest.approx(1.0), "mfu": pytest.approx(0.5), "hfu": pytest.approx(2 / 3)}
 
 
 def test_cpu_peak_is_the_fastest_this_cpu_has_shown(tmp_path, monkeypatch):

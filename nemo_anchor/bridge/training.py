@@ -42,7 +42,7 @@ def flops_model_config(provider) -> ModelConfig:
 
 
 class MetricsCallback(Callback):
-    """``metrics.jsonl`` (and TensorBoard) under ``checkpoint.save``: step, loss, lr, tokens/s, TFLOP/s, MFU."""
+    """``metrics.jsonl`` (and TensorBoard) under ``checkpoint.save``: step, loss, lr, tokens/s, TFLOP/s, MFU, HFU."""
 
     def __init__(self, peak_tflops: float | None = None):
         self.peak_tflops = peak_tflops

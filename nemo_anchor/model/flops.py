@@ -10,13 +10,17 @@ gradients), so a step is 3x forward. Per token and layer, forward (Llama shape, 
 
 Attention is counted on the (query, key) pairs the mask keeps rather than on ``T^2``: per kept
 pair ``4 Hq d`` forward (``q k^T`` and ``p v``). Norms, RoPE, softmax and embeddings are left out,
-as Megatron does. Activation recomputation runs forward again and is counted (this is the work
-the device does): ``model.recompute=full`` the recomputed layers' forward, ``selective`` the
-attention core's.
+as Megatron does.
+
+Two counts come out (:class:`StepFlops`): the *model* FLOPs, which MFU is measured by (PaLM's
+definition, and Megatron-LM's reported TFLOP/s: what the model needs, however it is run), and the
+*hardware* FLOPs, which add the forward work activation recomputation runs again
+(``model.recompute=full``: the recomputed layers' forward; ``selective``: the attention core's):
+HFU, the work the device does.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -25,7 +29,14 @@ from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.config import ModelConfig
 
 
-def train_step_flops(model: ModelConfig, vocab_size: int, windows: Iterable[torch.Tensor]) -> float:
+class StepFlops(NamedTuple):
+    """FLOPs of one optimizer step: ``model`` (3x forward, for MFU) and ``hardware`` (plus recomputation, for HFU)."""
+
+    model: float
+    hardware: float
+
+
+def train_step_flops(model: ModelConfig, vocab_size: int, windows: Iterable[torch.Tensor]) -> StepFlops:
     """FLOPs of one optimizer step over ``windows`` (the ``cu_seqlens`` of every window of the global batch:
     int ``[num_docs + 1]``, ``[0, ..., T]``).
 
@@ -49,4 +60,4 @@ def train_step_flops(model: ModelConfig, vocab_size: int, windows: Iterable[torc
         recomputed = layers * core_per_layer
     else:
         recomputed = 0
-    return float(3 * forward + recomputed)
+    return StepFlops(model=float(3 * forward), hardware=float(3 * forward + recomputed))

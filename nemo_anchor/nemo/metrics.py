@@ -1,7 +1,7 @@
 """``metrics.jsonl`` for NeMo runs: the rows ``nemo-anchor train`` writes, from a Lightning callback.
 
 One JSON object per optimizer step (``step``, ``loss``, ``lr``, ``tokens``, ``tokens_per_s``,
-``step_time_s``, ``tflops_per_device``, ``mfu``) in NeMo's log directory (``log.log_dir`` /
+``step_time_s``, ``tflops_per_device``, ``mfu``, ``hfu``) in NeMo's log directory (``log.log_dir`` /
 ``log.name``), written by global rank 0 through the project's ``MetricsLogger``; FLOPs and the
 peak they are measured against come from ``nemo_anchor.training.throughput``, as in our trainer.
 """

@@ -1,8 +1,10 @@
-"""Achieved TFLOP/s per device and MFU (model FLOPs utilisation), and the peak they are measured against.
+"""Achieved TFLOP/s per device, MFU and HFU (model and hardware FLOPs utilisation), and the peak they are measured against.
 
 The peak is ``trainer.peak_tflops`` when set; otherwise the published dense bf16 peak of a known
 GPU (bf16 runs), else a short matmul measurement on the device in the training precision (the
-CPU, fp32 runs, unknown GPUs). The step's FLOPs come from :func:`nemo_anchor.model.flops.train_step_flops`.
+CPU, fp32 runs, unknown GPUs). The step's FLOPs come from :func:`nemo_anchor.model.flops.train_step_flops`:
+``tflops_per_device`` and ``mfu`` count the model's FLOPs only (as Megatron-LM and PaLM report them), ``hfu``
+adds the forward work activation recomputation runs again.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from nemo_anchor.cache import cache_root
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32, cpuinfo
 from nemo_anchor.data import PackedDataset
 from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.model.flops import train_step_flops
+from nemo_anchor.model.flops import StepFlops, train_step_flops
 
 # dense (no sparsity) bf16 tensor-core peaks from the vendor's data sheets, in TFLOP/s; the first
 # name contained in torch.cuda.get_device_name() wins, so the more specific names come first
@@ -101,12 +103,14 @@ def faster_cpu_precision(seconds: float = 0.2) -> tuple[str, dict[str, float]]:
     return max(measured, key=measured.get), measured
 
 
-def global_batch_flops(model: ModelConfig, vocab_size: int, dataset: PackedDataset, windows: list[int]) -> float:
+def global_batch_flops(model: ModelConfig, vocab_size: int, dataset: PackedDataset, windows: list[int]) -> StepFlops:
     """FLOPs of one optimizer step over the windows ``windows`` of ``dataset`` (the whole global batch)."""
     return train_step_flops(model, vocab_size, [torch.from_numpy(dataset.window_cu_seqlens(i)) for i in windows])
 
 
-def rates(flops: float, seconds: float, devices: int, peak_tflops: float) -> dict[str, float]:
-    """``tflops_per_device`` and ``mfu`` (a fraction of ``peak_tflops``) of ``flops`` done in ``seconds`` on ``devices``."""
-    achieved = flops / seconds / devices / 1e12
-    return {"tflops_per_device": achieved, "mfu": achieved / peak_tflops}
+def rates(flops: StepFlops, seconds: float, devices: int, peak_tflops: float) -> dict[str, float]:
+    """Of ``flops`` done in ``seconds`` on ``devices``: ``tflops_per_device`` (model FLOPs), ``mfu`` and ``hfu``
+    (model and hardware FLOPs per second as fractions of ``peak_tflops``)."""
+    achieved = flops.model / seconds / devices / 1e12
+    return {"tflops_per_device": achieved, "mfu": achieved / peak_tflops,
+            "hfu": flops.hardware / seconds / devices / 1e12 / peak_tflops}

@@ -130,7 +130,7 @@ def test_pretrain_writes_metrics_and_equals_our_trainer(start, straight, tmp_pat
     root, megatron, config = start
     save, rows = straight
     assert sorted(rows) == list(range(1, 7))
-    assert {"step", "loss", "lr", "tokens_per_s", "tflops_per_device", "mfu"} <= set(rows[1])
+    assert {"step", "loss", "lr", "tokens_per_s", "tflops_per_device", "mfu", "hfu"} <= set(rows[1])
     assert rows[1]["lr"] == 1e-3 and rows[6]["loss"] < rows[1]["loss"]
     assert cli(["train", "--config", str(config), f"output_dir={tmp_path / 'ours'}", "trainer.max_steps=3"]) == 0
     ours = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines())
