@@ -1,4 +1,4 @@
-"""The one place where the optional GPU kernels (flash-attn, Transformer Engine, torch's varlen, apex) are imported.
+"""The one place where the optional GPU kernels (flash-attn 2/3/4, Transformer Engine, torch's varlen, apex) are imported.
 
 Imports are lazy and cached. They are guarded with ``except Exception`` rather than
 ``ImportError``: a CPU-only transformer-engine raises RuntimeError at import time, and a
@@ -44,6 +44,38 @@ def torch_varlen_attn() -> tuple[Callable[..., Any] | None, str | None]:
         return None, reason
     kernel = getattr(module, "varlen_attn", None)
     return (kernel, None) if kernel is not None else (None, "torch.nn.attention.varlen has no varlen_attn")
+
+
+def torch_flash_attention_ops() -> tuple[tuple[Callable[..., Any], Callable[..., Any]] | None, str | None]:
+    """``(torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward)``, or None and why not.
+
+    The FlashAttention-2 varlen forward (returning the log-sum-exp) and backward (taking the output
+    and log-sum-exp to differentiate) that torch's own ``varlen_attn`` calls
+    (torch/nn/attention/varlen.py, ``_varlen_attn`` and ``_varlen_attn_backward``); the backward
+    accepts a merged log-sum-exp, which ``varlen_attn``'s autograd does not pass through.
+    """
+    aten = torch.ops.aten  # registered on every build; their kernels are CUDA only
+    if not (hasattr(aten, "_flash_attention_forward") and hasattr(aten, "_flash_attention_backward")):
+        return None, "this torch has no aten._flash_attention_forward/_backward"
+    return (aten._flash_attention_forward, aten._flash_attention_backward), None
+
+
+def flash_attn_3_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
+    """FlashAttention-3's ``flash_attn_interface.flash_attn_varlen_func`` (Hopper), or None and why it is unavailable."""
+    module, reason = _import("flash_attn_interface")
+    if module is None:
+        return None, reason
+    kernel = getattr(module, "flash_attn_varlen_func", None)
+    return (kernel, None) if kernel is not None else (None, "flash_attn_interface has no flash_attn_varlen_func")
+
+
+def flash_attn_4_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
+    """FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func`` (CuTe DSL; Hopper, Blackwell), or None and why."""
+    module, reason = _import("flash_attn.cute")
+    if module is None:
+        return None, reason
+    kernel = getattr(module, "flash_attn_varlen_func", None)
+    return (kernel, None) if kernel is not None else (None, "flash_attn.cute has no flash_attn_varlen_func")
 
 
 def apex_gradient_accumulation() -> tuple[ModuleType | None, str | None]:

@@ -70,6 +70,56 @@ def varlen_attn_standin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, 
     return torch.cat(outs).to(query.dtype)
 
 
+def _sequence_scores(q, k, cu_q, cu_k, scale):
+    """Per sequence: (q rows, k rows, fp64 scores ``[Hq, qn, kn]`` masked bottom-right causal, GQA group)."""
+    group = q.shape[1] // k.shape[1]
+    for qs, qe, ks, ke in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
+        qn, kn = qe - qs, ke - ks
+        allowed = torch.arange(kn)[None] <= torch.arange(qn)[:, None] + (kn - qn)
+        ki = k[ks:ke].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].double(), ki) * scale
+        yield slice(qs, qe), slice(ks, ke), scores.masked_fill(~allowed, float("-inf")), group
+
+
+def flash_attention_forward_standin(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                                    return_debug_mask, *, scale=None):
+    """``aten._flash_attention_forward``'s varlen contract in fp64: (out, lse fp32 [Hq, Tq], rng, unused, debug)."""
+    assert dropout_p == 0.0 and is_causal and not return_debug_mask and scale is not None
+    assert cum_seq_q.dtype == cum_seq_k.dtype == torch.int32 and cum_seq_k[-1] == key.shape[0]
+    assert (max_q, max_k) == (int(cum_seq_q.diff().max()), int(cum_seq_k.diff().max()))
+    out = torch.empty(query.shape, dtype=torch.float64)
+    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float64)
+    for rows, keys, scores, group in _sequence_scores(query, key, cum_seq_q, cum_seq_k, scale):
+        lse[:, rows] = scores.logsumexp(-1)
+        vi = value[keys].double().repeat_interleave(group, 1)
+        out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi)
+    return out.to(query.dtype), lse.float(), torch.zeros(2), torch.empty(0), torch.empty(0)
+
+
+def flash_attention_backward_standin(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                                     dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    """``aten._flash_attention_backward`` in fp64: FlashAttention's backward from the *given* out and lse
+    (P = exp(S - lse), D = rowsum(dO * O), dS = P (dO V^T - D))."""
+    assert dropout_p == 0.0 and is_causal and logsumexp.shape == (query.shape[1], query.shape[0])
+    dq = torch.zeros(query.shape, dtype=torch.float64)
+    dk, dv = (torch.zeros(key.shape, dtype=torch.float64) for _ in range(2))
+    row_dot = (grad_out.double() * out.double()).sum(-1).T  # [Hq, Tq]
+    for rows, keys, scores, group in _sequence_scores(query, key, cum_seq_q, cum_seq_k, scale):
+        p = (scores - logsumexp[:, rows].double()[..., None]).exp()  # [Hq, qn, kn]
+        do = grad_out[rows].double()
+        ki, vi = (x[keys].double().repeat_interleave(group, 1) for x in (key, value))
+        ds = p * (torch.einsum("qhd,khd->hqk", do, vi) - row_dot[:, rows][..., None])
+        dq[rows] = torch.einsum("hqk,khd->qhd", ds, ki) * scale
+        heads = query.shape[1]
+        dk[keys] = torch.einsum("hqk,qhd->khd", ds, query[rows].double()).view(-1, heads // group, group,
+                                                                               query.shape[2]).sum(2) * scale
+        dv[keys] = torch.einsum("hqk,qhd->khd", p, do).view(-1, heads // group, group, query.shape[2]).sum(2)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+FLASH_OPS_STANDIN = (flash_attention_forward_standin, flash_attention_backward_standin)
+
+
 def standin_torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     """The first release's signature: ``is_causal``, no ``scale`` (D ** -0.5), no GQA flag."""
     return varlen_attn_standin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux,
@@ -168,6 +218,7 @@ def standin(monkeypatch):
     """torch_varlen runs on CPU tensors with the stand-in kernel (the given one, default torch 2.13's)."""
     def install(kernel=varlen_attn_standin):
         monkeypatch.setattr(gpu, "torch_varlen_attn", lambda: (kernel, None))
+        monkeypatch.setattr(gpu, "torch_flash_attention_ops", lambda: (FLASH_OPS_STANDIN, None))
         monkeypatch.setattr(torch_varlen, "unavailable_reason", lambda q, needs_grad: None)
     install()
     return install
@@ -264,6 +315,7 @@ def test_auto_on_cuda_picks_torch_varlen_first(monkeypatch, dtype, capability, e
 
 
 def test_auto_on_cuda_without_varlen_attn_falls_back_to_flash(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(gpu, "torch_varlen_attn", lambda: (None, "`import torch.nn.attention.varlen` failed"))
     monkeypatch.setattr(gpu, "flash_attn_varlen_func", lambda: (object(), None))
     chosen = functional._select_backend("auto", cuda_like(torch.bfloat16), True)
@@ -276,3 +328,49 @@ def test_torch_varlen_refuses_head_dims_flash_attention_lacks(monkeypatch, head_
     monkeypatch.setattr(gpu, "torch_varlen_attn", lambda: (varlen_attn_standin, None))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert "head_dim" in torch_varlen.unavailable_reason(cuda_like(torch.bfloat16, head_dim), True)
+
+
+@pytest.mark.parametrize("capability, installed, expected", [
+    ((9, 0), {"fa3", "te", "fa4", "torch_varlen", "flash"}, "fa3"),  # Hopper: FlashAttention-3 first
+    ((9, 0), {"te", "fa4", "torch_varlen", "flash"}, "te"),  # then cuDNN through Transformer Engine
+    ((9, 0), {"fa4", "torch_varlen", "flash"}, "fa4"),
+    ((9, 0), {"torch_varlen", "flash", "te"} - {"te"}, "torch_varlen"),  # FlashAttention-2 after them
+    ((10, 0), {"fa3", "te", "fa4", "torch_varlen"}, "fa4"),  # Blackwell: FA4, written for it (FA3 is SM90 only)
+    ((10, 0), {"fa3", "te", "torch_varlen"}, "te"),
+    ((8, 0), {"fa3", "te", "fa4", "torch_varlen", "flash"}, "torch_varlen"),  # Ampere: the FlashAttention-2 order
+    ((8, 0), {"fa3", "te", "fa4", "flash"}, "flash"),
+])
+def test_auto_prefers_each_generations_fastest_kernel(monkeypatch, capability, installed, expected):
+    accessors = {"fa3": "flash_attn_3_varlen_func", "fa4": "flash_attn_4_varlen_func", "te": "transformer_engine_pytorch",
+                 "torch_varlen": "torch_varlen_attn", "flash": "flash_attn_varlen_func"}
+    for name, accessor in accessors.items():
+        found = (object(), None) if name in installed else (None, f"{name} not installed")
+        monkeypatch.setattr(gpu, accessor, lambda found=found: found)
+    monkeypatch.setattr(gpu, "torch_flash_attention_ops", lambda: ((object(), object()), None))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert functional._select_backend("auto", cuda_like(torch.bfloat16), True).__name__.endswith("." + expected)
+
+
+def test_anchor_costs_no_key_value_copy(standin, monkeypatch):
+    """With anchors, the kernel reads k and v in place (views of the layer's tensors), and what autograd keeps
+    for the backward is q, k, v, the output and the log-sum-exp: no gathered K/V of T + documents rows."""
+    seen = []
+
+    def spying_forward(query, key, value, *args, **kwargs):
+        seen.append((key, value))
+        return flash_attention_forward_standin(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(gpu, "torch_flash_attention_ops", lambda: ((spying_forward, flash_attention_backward_standin), None))
+    bounds, windows = [0, 5, 9, 20, 31, 40, 64], [0, 31, 64]
+    q, k, v = (torch.randn(64, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = anchor_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), backend="torch_varlen",
+                               cu_windows=torch.tensor(windows, dtype=torch.int32), mode="anchor")
+    (key, value), = seen
+    assert key.shape == k.shape and key.data_ptr() == k.data_ptr() and value.data_ptr() == v.data_ptr()
+    kv_bytes = k.numel() * k.element_size()
+    copies = [t for t in saved if t.shape[0] >= k.shape[0] and t.data_ptr() not in
+              {x.data_ptr() for x in (q, k, v, out)} and t.numel() * t.element_size() >= kv_bytes]
+    assert copies == []
+    out.sum().backward()

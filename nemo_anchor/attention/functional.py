@@ -10,10 +10,25 @@ from nemo_anchor.attention.layout import MODES, PackLayout, pack_layout
 
 # each backend is the module nemo_anchor.attention.<name>, imported on first use, with
 # `unavailable_reason(q, needs_grad) -> str | None` and `attention(q, k, v, blocks, q_offset, scale)`
-BACKENDS = ("auto", "reference", "cpu", "flex", "torch_varlen", "flash", "te")
-# "auto" takes the first that can run: the GPU kernels (torch's own first: it needs no extra
-# package), then ours on the CPU, then FlexAttention (any device; CUDA in fp32), then the oracle
-_AUTO_ORDER = ("torch_varlen", "flash", "te", "cpu", "flex", "reference")
+BACKENDS = ("auto", "reference", "cpu", "flex", "torch_varlen", "flash", "fa3", "fa4", "te")
+# "auto" takes the first that can run. On Hopper (compute capability 9.x) the Hopper kernels come
+# first: FlashAttention-3 (fastest in MagiAttention's published H100 document-mask figures: about
+# 585 TFLOP/s, cuDNN 492, FlashAttention-2 345), cuDNN's fused attention through Transformer Engine,
+# FlashAttention-4; on Blackwell (10.x) FlashAttention-4, written for it, then cuDNN; before them
+# (Ampere) and after them the FlashAttention-2 kernels, torch's own first (it needs no package).
+# Then ours on the CPU, FlexAttention (any device; CUDA in fp32), and the oracle. Each backend
+# refuses what it cannot run (device, dtype, head_dim, compute capability), so one order serves all.
+_AUTO_ORDER = {
+    9: ("fa3", "te", "fa4", "torch_varlen", "flash"),
+    10: ("fa4", "te", "torch_varlen", "flash"),
+}
+_FA2_ORDER = ("torch_varlen", "flash", "te")
+_ANYWHERE = ("cpu", "flex", "reference")
+# backends that gather the window anchor into every later document's keys: in anchor mode a copy of
+# K and V per layer, kept for the backward (their documented autograd drops the log-sum-exp gradient
+# a merge needs). torch_varlen and cpu merge the anchor through the log-sum-exp instead: no copy.
+# "auto" may pick one of them on a GPU where they are installed.
+ANCHOR_KV_COPY = frozenset({"auto", "flash", "fa3", "fa4", "te"})
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -60,12 +75,16 @@ def anchor_attention(
             log-sum-exp; O(T * H * D) memory. CPU tensors.
             ``"flex"``: compiled FlexAttention with a block mask built once per layout; forward and
             backward on CUDA. On the CPU torch has no FlexAttention backward: forward only.
-            ``"torch_varlen"``: one call of torch's FlashAttention-2 ``varlen_attn`` (torch >= 2.10;
-            CUDA, fp16/bf16), the anchor gathered into each document's keys.
+            ``"torch_varlen"``: torch's FlashAttention-2 varlen kernel (torch >= 2.10; CUDA,
+            fp16/bf16): one call per layer, the anchor merged through the log-sum-exp (no K/V copy).
             ``"flash"``: one flash-attn 2 ``flash_attn_varlen_func`` call (CUDA, fp16/bf16).
-            ``"te"``: Transformer Engine ``DotProductAttention``, THD, bottom-right causal (CUDA).
-            ``"auto"``: the first of torch_varlen, flash, te, cpu, flex, reference that can run
-            these inputs (on a GPU: torch_varlen in fp16/bf16, flex in fp32; on the CPU: cpu).
+            ``"fa3"``: one FlashAttention-3 ``flash_attn_interface.flash_attn_varlen_func`` call (Hopper).
+            ``"fa4"``: one FlashAttention-4 ``flash_attn.cute.flash_attn_varlen_func`` call (Hopper, Blackwell).
+            ``"te"``: Transformer Engine ``DotProductAttention`` (cuDNN fused attention), THD,
+            bottom-right causal (CUDA).
+            ``"auto"``: the first that can run these inputs: on Hopper fa3, te, fa4, torch_varlen,
+            flash; on Blackwell fa4, te, torch_varlen, flash; on Ampere torch_varlen, flash, te;
+            then cpu, flex, reference (a GPU in fp32: flex; the CPU: cpu).
         softmax_scale: scale of ``q @ k^T``; default ``D ** -0.5``. Softmax statistics are fp32
             whatever the input dtype.
         q_offset: the rows of q are the tokens at packed positions ``[q_offset, q_offset + Tq)``
@@ -132,9 +151,17 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: 
         )
 
 
+def auto_order(q: torch.Tensor) -> tuple[str, ...]:
+    """The backends ``auto`` tries for ``q``, in order (see ``_AUTO_ORDER``)."""
+    gpu_order = _FA2_ORDER
+    if q.is_cuda:
+        gpu_order = _AUTO_ORDER.get(torch.cuda.get_device_capability(q.device)[0], _FA2_ORDER)
+    return gpu_order + _ANYWHERE
+
+
 def _select_backend(backend: str, q: torch.Tensor, needs_grad: bool):
     if backend == "auto":  # the reference runs everywhere: there always is one
-        return next(m for m in map(_backend_module, _AUTO_ORDER) if m.unavailable_reason(q, needs_grad) is None)
+        return next(m for m in map(_backend_module, auto_order(q)) if m.unavailable_reason(q, needs_grad) is None)
     implementation = _backend_module(backend)
     reason = implementation.unavailable_reason(q, needs_grad)
     if reason is not None:

@@ -7,9 +7,12 @@ its keys/values the window anchor's (where the block has one) followed by the bl
 ``window_size=(-1, 0)`` is causal with the mask aligned to the bottom right when a sequence
 has more keys than queries, so each query sees the anchor and its own causal prefix.
 
-The anchor is gathered into the keys rather than merged afterwards through the log-sum-exp
-(as the ``cpu`` backend does): ``varlen_attn``'s backward ignores the gradient of the
-log-sum-exp it returns, so a merge through it would get wrong gradients.
+Without anchors (``full``, ``intra_doc``) each sequence's keys are a range of k/v and the call
+copies nothing. With anchors, gathering the anchor into every later document's keys would copy
+K and V in every layer; instead the documents run alone through the FlashAttention-2 ops that
+``varlen_attn`` itself calls (``aten._flash_attention_forward``/``_backward``, whose backward takes
+the merged log-sum-exp, which ``varlen_attn``'s autograd drops) and the anchor is merged through
+the log-sum-exp (:mod:`nemo_anchor.attention.anchor_merge`): one extra key per query, no copy.
 
 The keyword arguments changed between torch releases (``is_causal`` before ``window_size``,
 ``scale`` and ``enable_gqa`` added later); :func:`kernel_arguments` adapts the call to the
@@ -26,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from nemo_anchor import gpu
+from nemo_anchor.attention import anchor_merge
 from nemo_anchor.attention.layout import varlen_plan
 
 _MAX_HEAD_DIM = 256
@@ -43,6 +47,8 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
     head_dim = q.shape[-1]
     if head_dim > _MAX_HEAD_DIM or head_dim % 8:
         return f"torch's varlen_attn needs head_dim a multiple of 8 and <= {_MAX_HEAD_DIM}, got {head_dim}"
+    if gpu.torch_flash_attention_ops()[0] is None:
+        return gpu.torch_flash_attention_ops()[1]
     capability = torch.cuda.get_device_capability(q.device)
     if capability < _MIN_CAPABILITY:
         return f"torch's varlen_attn (FlashAttention-2) needs compute capability >= 8.0, got {capability}"
@@ -80,9 +86,47 @@ def kernel_arguments(kernel: Callable[..., Any], scale: float, head_dim: int, gr
     return keywords, factor
 
 
+def _keys(x: torch.Tensor, rows) -> torch.Tensor:
+    return x[rows]  # a view for a slice; a gather only after a BOS-only document (see VarlenPlan)
+
+
+def _scatter(grad: torch.Tensor, like: torch.Tensor, rows) -> torch.Tensor:
+    """The gradient of ``like[rows]`` as a gradient of ``like``."""
+    if isinstance(rows, slice) and rows == slice(0, like.shape[0]):
+        return grad
+    full = torch.zeros_like(like)
+    if isinstance(rows, slice):
+        full[rows] = grad
+    else:
+        full.index_add_(0, rows, grad)
+    return full
+
+
+def _documents_forward(q, k, v, plan, scale):
+    forward, _ = gpu.torch_flash_attention_ops()[0]
+    out, lse, *_ = forward(q, _keys(k, plan.kv_rows), _keys(v, plan.kv_rows), plan.cu_seqlens_q, plan.cu_seqlens_k,
+                           plan.max_seqlen_q, plan.max_seqlen_k, 0.0, True, False, scale=scale)
+    return out, lse
+
+
+def _documents_backward(dout, q, k, v, out, lse, plan, scale):
+    _, backward = gpu.torch_flash_attention_ops()[0]
+    # no dropout: the random state is unused, passed as torch's varlen_attn passes it
+    rng_state, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+    dq, dk, dv = backward(dout, q, _keys(k, plan.kv_rows), _keys(v, plan.kv_rows), out, lse, plan.cu_seqlens_q,
+                          plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, 0.0, True, rng_state, unused,
+                          scale=scale)
+    return dq, _scatter(dk, k, plan.kv_rows), _scatter(dv, v, plan.kv_rows)
+
+
+KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
+
+
 def attention(q, k, v, blocks, q_offset, scale):
+    if anchor_merge.has_anchor(blocks):
+        return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
     kernel, _ = gpu.torch_varlen_attn()
-    plan = varlen_plan(blocks, q.device)
+    plan = varlen_plan(blocks, q.device)  # no anchors: kv_rows slices k and v
     keywords, factor = kernel_arguments(kernel, scale, q.shape[-1], q.shape[1] != k.shape[1])
     if factor != 1.0:
         q = q * factor
