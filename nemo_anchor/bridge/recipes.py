@@ -27,7 +27,7 @@ from megatron.core.optimizer import distrib_optimizer
 from nemo_anchor.bridge.data import AnchorPackedDatasetProvider
 from nemo_anchor.bridge.provider import AnchorGPTModelProvider
 from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.training import memory
+from nemo_anchor.training import memory, presets
 from nemo_anchor.training.config import OptimConfig, RunConfig, TrainerConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -74,11 +74,11 @@ def from_run_config(run: RunConfig, vocab_size: int | None = None) -> ConfigCont
     )
 
 
-def _from_yaml(path: Path, overrides: tuple[str, ...] = ()) -> Callable[[], ConfigContainer]:
+def _paper(path: Path) -> Callable[[], ConfigContainer]:
     def recipe() -> ConfigContainer:
-        return from_run_config(load_config(path, overrides))
+        return from_run_config(presets.paper_run(path.stem))
 
-    recipe.__doc__ = f"The run of {path.relative_to(CONFIGS.parent)}."
+    recipe.__doc__ = f"The run of {path.relative_to(CONFIGS.parent)}, with the planner's recompute (nemo_anchor.training.presets)."
     return recipe
 
 
@@ -96,37 +96,45 @@ def anchor_smollm2_135m() -> ConfigContainer:
     return from_run_config(run)
 
 
-def fit_layout(model: ModelConfig, vocab_size: int, gpus: int, gpu_gib: float, *,
+def fit_layout(model: ModelConfig, vocab_size: int, gpus: int, gpu: str | float = presets.PAPER_GPU, *,
                micro_batch_size: int = 1) -> ModelConfig:
-    """``model`` with the smallest context-parallel size, then the fewest recomputed layers, that
-    ``nemo-anchor plan`` says fit ``gpus`` GPUs of ``gpu_gib`` GiB (ValueError when none does)."""
-    def fits(candidate: ModelConfig) -> bool:
-        plan = memory.plan_memory(candidate, vocab_size, memory.Layout(gpus, context=candidate.context_parallel_size),
-                                  gpu_bytes=int(gpu_gib * memory.GIB), micro_batch_size=micro_batch_size)
-        return plan.fits
+    """``model`` with the fewest tensor-parallel ranks (up to 8), then the smallest context-parallel size, then
+    the fewest recomputed layers, that ``nemo-anchor plan`` says fit ``gpus`` GPUs ``gpu`` (a card name or nominal
+    GB, as ``nemo-anchor plan --gpu-memory``; ValueError when none does)."""
+    gpu_bytes = memory.gpu_memory(gpu)[0]
 
-    for cp in (cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp <= gpus and gpus % cp == 0
-               and model.seq_length % (2 * cp) == 0):
-        plain = replace(model, context_parallel_size=cp, recompute="none", recompute_num_layers=None)
+    def fits(candidate: ModelConfig) -> bool:
+        layout = memory.Layout(gpus, tensor=candidate.tensor_model_parallel_size,
+                               context=candidate.context_parallel_size)
+        return memory.plan_memory(candidate, vocab_size, layout, gpu_bytes=gpu_bytes,
+                                  micro_batch_size=micro_batch_size).fits
+
+    for tp, cp in ((tp, cp) for tp in (1, 2, 4, 8) for cp in (1, 2, 4, 8, 16, 32, 64)
+                   if tp * cp <= gpus and gpus % (tp * cp) == 0 and model.seq_length % (2 * cp) == 0):
+        try:
+            plain = replace(model, tensor_model_parallel_size=tp, context_parallel_size=cp, recompute="none",
+                            recompute_num_layers=None)
+        except ValueError:  # the heads do not split over these ranks
+            continue
         if fits(plain):
             return plain
         recomputing = [replace(plain, recompute="full", recompute_num_layers=n) for n in range(1, model.num_layers + 1)]
         if fits(recomputing[-1]):  # memory falls with every recomputed layer: the first that fits
             return recomputing[bisect.bisect_left(recomputing, True, key=fits)]
-    raise ValueError(f"no context-parallel size up to {gpus} with full recompute fits {model.seq_length}-token windows "
-                     f"on {gpus} x {gpu_gib} GiB: add GPUs")
+    raise ValueError(f"no context-parallel size up to {gpus} (tensor parallel up to 8) with full recompute fits "
+                     f"{model.seq_length}-token windows on {gpus} x {gpu}: add GPUs")
 
 
-def llama3_context_extension(seq_length: int = 131_072, rope: str = "paper", gpus: int = 8,
-                             gpu_gib: float = 80.0) -> ConfigContainer:
+def llama3_context_extension(seq_length: int = 131_072, rope: str = "paper", gpus: int = presets.PAPER_GPUS,
+                             gpu: str | float = presets.PAPER_GPU) -> ConfigContainer:
     """Continued pretraining of an HF Llama 3.x (8B shape) to ``seq_length`` with AnchorAttention.
 
     ``rope``: ``paper`` (the paper's base schedule: 5M at 64K, 10M at 128K) or ``llama3.1`` (base
-    500K with Llama 3.1's frequency scaling, factor ``seq_length / 8192``). Context parallelism and
-    recompute come from the memory planner for ``gpus`` x ``gpu_gib``. Start from
+    500K with Llama 3.1's frequency scaling, factor ``seq_length / 8192``). Tensor and context parallelism and
+    recompute come from the memory planner for ``gpus`` x ``gpu`` (a card name or nominal GB). Start from
     ``checkpoint.pretrained_checkpoint=<import_hf output of the HF model>``.
     """
-    run = load_config(CONFIGS / "paper" / "llama3-8b-128k.yaml", ("model.init_from_hf=null",))
+    run = load_config(presets.paper_config("llama3-8b-128k"), ("model.init_from_hf=null",))
     if rope == "paper":
         model = replace(run.model, seq_length=seq_length, rotary_base="auto", rope_scaling="none")
     elif rope == "llama3.1":
@@ -135,13 +143,13 @@ def llama3_context_extension(seq_length: int = 131_072, rope: str = "paper", gpu
                         original_max_position_embeddings=LLAMA3_ORIGINAL_WINDOW)
     else:
         raise ValueError(f"rope={rope!r}: choose 'paper' or 'llama3.1'")
-    model = fit_layout(model, model.vocab_size, gpus, gpu_gib, micro_batch_size=run.trainer.micro_batch_size)
+    model = fit_layout(model, model.vocab_size, gpus, gpu, micro_batch_size=run.trainer.micro_batch_size)
     return from_run_config(replace(run, model=model))
 
 
 RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "anchor_smollm2_135m": anchor_smollm2_135m,
-    **{path.stem.replace("-", "_").replace(".", "p"): _from_yaml(path) for path in sorted((CONFIGS / "paper").glob("*.yaml"))},
+    **{path.stem.replace("-", "_").replace(".", "p"): _paper(path) for path in sorted(presets.PAPER_CONFIGS.glob("*.yaml"))},
     "llama3_context_extension_64k": lambda: llama3_context_extension(65_536),
     "llama3_context_extension_128k": lambda: llama3_context_extension(131_072),
 }

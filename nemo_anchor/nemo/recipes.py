@@ -39,6 +39,7 @@ from nemo_anchor.nemo.config import PRESETS, AnchorLlamaConfig, AnchorMistralCon
 from nemo_anchor.nemo.data import AnchorPackedDataModule
 from nemo_anchor.nemo.metrics import AnchorMetricsCallback
 from nemo_anchor.nemo.models import AnchorLlamaModel, AnchorMistralModel, AnchorQwen2Model, model_class_for
+from nemo_anchor.training import presets
 
 
 def anchor_trainer(num_nodes: int = 1, num_gpus_per_node: int = 8, tensor_parallelism: int = 1,
@@ -122,7 +123,7 @@ def anchor_pretrain_recipe(
     The RoPE base follows the paper's schedule for ``seq_length`` (5M at 64K, 10M at 128K).
     ``data_path`` is a ``nemo-anchor pack`` directory packed at ``seq_length``.
     ``recompute_num_layers``: full activation recompute (block method) of that many layers per
-    GPU; the presets below pass what ``nemo-anchor plan`` needs to fit 8x 80 GB at 128K.
+    GPU; the paper presets below pass what ``nemo-anchor plan`` gives for their ``configs/paper`` file.
     ``restore_path``: the weights to start from (``nemo llm import`` / ``llm.import_ckpt`` output);
     the same as ``resume.restore_config.path``.
     """
@@ -152,37 +153,55 @@ def anchor_pretrain_recipe(
     )
 
 
+def paper_recipe(config: str, preset: str, name: str, data_path: Optional[str], restore_path: Optional[str],
+                 seq_length: Optional[int] = None) -> run.Partial:
+    """The run of ``configs/paper/<config>.yaml`` (its window, layout, batch, steps, rate, attention type) with
+    the recompute ``nemo-anchor plan`` gives for 8x 80 GB (:func:`nemo_anchor.training.presets.paper_run`), on
+    NeMo's ``preset`` model; ``seq_length`` other than the file's is planned again."""
+    overrides = () if seq_length is None else (f"model.seq_length={seq_length}",)
+    paper = presets.paper_run(config, overrides)
+    m, t = paper.model, paper.trainer
+    if m.pipeline_model_parallel_size != 1:
+        raise ValueError(f"configs/paper/{config}.yaml: model.pipeline_model_parallel_size="
+                         f"{m.pipeline_model_parallel_size}: the NeMo recipes run tensor x context x data parallel")
+    return anchor_pretrain_recipe(
+        preset, data_path=data_path, name=name, attention_type=m.attention_type, seq_length=m.seq_length,
+        num_gpus_per_node=presets.PAPER_GPUS, tensor_parallelism=m.tensor_model_parallel_size,
+        context_parallelism=m.context_parallel_size, max_steps=t.max_steps, global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size, lr=paper.optim.lr,
+        recompute_num_layers=m.recompute_num_layers if m.recompute == "full" else None, restore_path=restore_path)
+
+
 @run.cli.factory(target=llm.pretrain, name="anchor_llama2_7b")
 def anchor_llama2_7b(data_path: Optional[str] = None, seq_length: int = 131_072,
                      restore_path: Optional[str] = None) -> run.Partial:
-    """Llama-2-7B, the paper's main model (planner: 27 recomputed layers at 128K on 8x 80 GB, 17 at 64K)."""
-    return anchor_pretrain_recipe("llama2_7b", data_path=data_path, seq_length=seq_length, name="anchor_llama2_7b",
-                                  recompute_num_layers=27 if seq_length > 65_536 else 17, restore_path=restore_path)
+    """Llama-2-7B, the paper's main model: ``configs/paper/llama2-7b-128k.yaml`` (``-64k`` at 65536 tokens)."""
+    config = "llama2-7b-64k" if seq_length <= 65_536 else "llama2-7b-128k"
+    return paper_recipe(config, "llama2_7b", "anchor_llama2_7b", data_path, restore_path, seq_length)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_llama3_8b")
 def anchor_llama3_8b(data_path: Optional[str] = None, seq_length: int = 131_072,
                      restore_path: Optional[str] = None) -> run.Partial:
-    """Llama-3-8B (planner: every layer recomputed at 128K on 8x 80 GB)."""
-    return anchor_pretrain_recipe("llama3_8b", data_path=data_path, seq_length=seq_length, name="anchor_llama3_8b",
-                                  recompute_num_layers=32, restore_path=restore_path)
+    """Llama-3-8B: ``configs/paper/llama3-8b-128k.yaml``."""
+    return paper_recipe("llama3-8b-128k", "llama3_8b", "anchor_llama3_8b", data_path, restore_path, seq_length)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_mistral_7b_v03")
 def anchor_mistral_7b_v03(data_path: Optional[str] = None, seq_length: int = 131_072,
                           restore_path: Optional[str] = None) -> run.Partial:
-    """Mistral-7B-v0.3 (planner: 28 recomputed layers at 128K on 8x 80 GB)."""
-    return anchor_pretrain_recipe("mistral_7b_v0.3", data_path=data_path, seq_length=seq_length,
-                                  name="anchor_mistral_7b_v03", recompute_num_layers=28, restore_path=restore_path)
+    """Mistral-7B-v0.3: ``configs/paper/mistral-7b-v0.3-128k.yaml``."""
+    return paper_recipe("mistral-7b-v0.3-128k", "mistral_7b_v0.3", "anchor_mistral_7b_v03", data_path, restore_path,
+                        seq_length)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_qwen15_1p8b")
 def anchor_qwen15_1p8b(data_path: Optional[str] = None, seq_length: int = 131_072,
                        restore_path: Optional[str] = None) -> run.Partial:
-    """Qwen-1.5-1.8B: no BOS token; pack with a tokenizer whose anchor is EOS (Section 5.3)."""
-    return anchor_pretrain_recipe("qwen1.5_1.8b", data_path=data_path, seq_length=seq_length,
-                                  name="anchor_qwen15_1p8b", tensor_parallelism=1, context_parallelism=4,
-                                  recompute_num_layers=15, restore_path=restore_path)  # planner: 15 layers at 128K, CP 4 x DP 2
+    """Qwen-1.5-1.8B: ``configs/paper/qwen1.5-1.8b-128k.yaml``. No BOS token; pack with a tokenizer whose anchor
+    is EOS (Section 5.3)."""
+    return paper_recipe("qwen1.5-1.8b-128k", "qwen1.5_1.8b", "anchor_qwen15_1p8b", data_path, restore_path,
+                        seq_length)
 
 
 @run.cli.factory(target=llm.pretrain, name="anchor_smollm2_135m")

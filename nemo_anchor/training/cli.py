@@ -1,5 +1,5 @@
 """``nemo-anchor train --config FILE [key=value ...]`` (also ``torchrun ... scripts/pretrain.py``) and
-``nemo-anchor plan --config FILE --gpus N --gpu-memory GIB``: the per-GPU memory of that run.
+``nemo-anchor plan --config FILE --gpus N --gpu-memory GB|CARD``: the per-GPU memory of that run.
 
 A user error (a bad key or value, data that does not fit, a refused resume, an output_dir in use)
 is one line from rank 0, ``nemo-anchor train: error: ...``, and exit status 2 on every rank.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import asdict
@@ -32,8 +31,11 @@ def register(subparsers) -> None:
                     "the smallest change that fits) when it does not, 2 for a config or option it cannot plan.")
     add_arguments(plan)
     plan.add_argument("--gpus", type=_positive_int, required=True, help="processes (GPUs) the run is launched on")
-    plan.add_argument("--gpu-memory", type=_positive_gib, required=True, metavar="GIB",
-                      help="memory of one GPU in GiB")
+    plan.add_argument("--gpu-memory", type=_gpu_memory, required=True, metavar="GB|CARD",
+                      help="the GPU: its nominal memory in GB (80: an H100 or A100 80GB, 79.11 GiB usable) or a "
+                           "card name (h100-80gb, a100-80gb, h200, b200); 5%% of it is left to the allocator")
+    plan.add_argument("--fusions", action="store_true",
+                      help="plan Megatron's fused cross entropy and bias-SwiGLU (a GPU with Transformer Engine)")
     plan.add_argument("--json", action="store_true", help="print the numbers as JSON")
     plan.set_defaults(func=run_plan)
 
@@ -48,14 +50,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_gib(text: str) -> float:
+def _gpu_memory(text: str) -> tuple[int, str]:
+    from nemo_anchor.training.memory import gpu_memory
+
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of GiB greater than 0")
-    return value
+        return gpu_memory(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +136,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"  host memory per process on top of training: checkpoint save {host.save / GIB:.2f} GiB, "
               f"load {host.load / GIB:.2f} GiB, model.init_from_hf {host.init_from_hf / GIB:.2f} GiB")
         if not plan.fits:
-            print(f"does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory:g} GiB; "
+            print(f"does not fit: {plan.total / GIB:.1f} GiB + {plan.headroom / GIB:.1f} GiB headroom > "
+                  f"{plan.gpu_bytes / GIB:.2f} GiB; "
                   + (f"smallest change that fits: {fix}" if fix else "no layout of tensor x context parallelism "
                      "with full recompute up to 64x the GPUs fits"))
     return 0 if plan.fits else 1
@@ -144,7 +146,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> tuple:
     """(the plan, the smallest change that fits or None, the checkpoint and init_from_hf host peaks)."""
     from nemo_anchor.training.config import load_config
-    from nemo_anchor.training.memory import GIB, Layout, checkpoint_peak, plan_memory, suggest
+    from nemo_anchor.training.memory import Layout, checkpoint_peak, plan_memory, suggest
 
     config = load_config(args.config, args.overrides)
     m, t = config.model, config.trainer
@@ -152,8 +154,8 @@ def _plan(args: argparse.Namespace) -> tuple:
     if args.gpus % (layout.tensor * layout.pipeline * layout.context):
         raise ValueError(f"--gpus {args.gpus} is not a multiple of tensor x pipeline x context parallel size = "
                          f"{layout.tensor} x {layout.pipeline} x {layout.context}")
-    options = dict(gpu_bytes=int(args.gpu_memory * GIB), micro_batch_size=t.micro_batch_size,
-                   bf16=t.precision == "bf16", distributed_optimizer=t.distributed_optimizer)
+    options = dict(gpu_bytes=args.gpu_memory[0], micro_batch_size=t.micro_batch_size,
+                   bf16=t.precision == "bf16", distributed_optimizer=t.distributed_optimizer, fusions=args.fusions)
     vocab = _vocab_size(config)
     plan = plan_memory(m, vocab, layout, **options)
     fix = None if plan.fits else suggest(m, vocab, layout, **options)
@@ -166,13 +168,15 @@ def format_plan(plan, name: str) -> str:
 
     lay = plan.layout
     rows = [("weights", plan.weights), ("gradients (fp32)", plan.gradients), ("optimizer (fp32)", plan.optimizer),
-            ("activations", plan.activations), ("recompute workspace", plan.recompute_workspace),
+            ("activations", plan.activations), ("  of which extra K/V", plan.kv_extra),
+            ("recompute workspace", plan.recompute_workspace),
             ("logits and loss", plan.logits), ("communication buffers", plan.communication),
             ("CUDA context and reserve", plan.reserved), ("total", plan.total)]
     head = (f"{name}: {lay.gpus} GPUs = tensor {lay.tensor} x pipeline {lay.pipeline} x context {lay.context} "
             f"x data {lay.data}; per GPU:")
     lines = [head] + [f"  {label:<26}{value / GIB:>9.2f} GiB" for label, value in rows]
-    lines.append(f"  {'GPU memory':<26}{plan.gpu_bytes / GIB:>9.2f} GiB -> {'fits' if plan.fits else 'DOES NOT FIT'}")
+    lines.append(f"  {'allocator headroom (5%)':<26}{plan.headroom / GIB:>9.2f} GiB")
+    lines.append(f"  {'GPU memory (usable)':<26}{plan.gpu_bytes / GIB:>9.2f} GiB -> {'fits' if plan.fits else 'DOES NOT FIT'}")
     return "\n".join(lines)
 
 

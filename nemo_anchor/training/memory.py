@@ -10,8 +10,19 @@ The plan follows what Megatron-Core allocates for the engine in :mod:`nemo_ancho
 - activations: what autograd saves for backward over one micro-batch (attention kernels that never
   store the T x T scores), for the recompute policy, times the micro-batches a pipeline stage holds;
 - logits: the output layer's logits and the fp32 softmax of the vocabulary-parallel cross entropy;
-- communication: the sequence-parallel all-gather of one layer's input and a context-parallel
-  gather of one layer's keys and values.
+- keys and values beyond the layer's own: under context parallelism with ``all_gather`` every
+  layer keeps the whole window's gathered K/V for its backward; in ``anchor`` mode the backends
+  that gather the anchor into each document's keys (:data:`nemo_anchor.attention.functional.ANCHOR_KV_COPY`,
+  ``auto`` included: it may pick one) keep a K/V copy per layer;
+- communication: the sequence-parallel all-gather of one layer's input and an all-to-all (Ulysses)
+  buffer of one layer's keys and values;
+- headroom: 5% of the GPU left to PyTorch's caching allocator (fragmentation), on top of the
+  CUDA context reserve.
+
+The GPU is given by its nominal size or name (:func:`gpu_memory`): an "80 GB" H100 offers 79.11 GiB
+to PyTorch. ``fusions=True`` plans Megatron's fused paths (what a GPU with Transformer Engine runs):
+the fused cross entropy works on the bf16 logits in place (no fp32 copy of them), the fused
+bias-SwiGLU saves only its input (not the two activation intermediates).
 
 :func:`state_bytes` measures the first three in a live engine, from the tensors themselves.
 """
@@ -27,7 +38,56 @@ from nemo_anchor.model.config import ModelConfig
 GIB = 1024 ** 3
 # Megatron's DistributedDataParallelConfig default bucket size: max(40M, 1M x data-parallel size) params
 _BUCKET_BASE, _BUCKET_PER_RANK = 40_000_000, 1_000_000
-_CUDA_CONTEXT_BYTES = 2 * GIB  # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation reserve
+_CUDA_CONTEXT_BYTES = 2 * GIB  # CUDA context, cuBLAS/NCCL workspaces
+ALLOCATOR_HEADROOM = 0.05  # of the GPU's usable memory, left free for the caching allocator's fragmentation
+
+
+@dataclass(frozen=True)
+class GpuCard:
+    """A GPU model: its nominal memory, what PyTorch can allocate of it, and where that number comes from."""
+
+    name: str
+    nominal_gb: float
+    usable_gib: float
+    source: str
+
+
+# measured: an H100 80GB offers 79.11 GiB to PyTorch (the total in its out-of-memory message);
+# nominal sizes without a measurement are scaled by that ratio
+_USABLE_PER_NOMINAL = 79.11 / 80
+GPU_CARDS = {
+    "h100-80gb": GpuCard("H100 80GB", 80, 79.11, "measured (PyTorch's out-of-memory total on an H100 80GB)"),
+    "a100-80gb": GpuCard("A100 80GB", 80, 79.15, "PyTorch's out-of-memory total reported for A100 80GB; "
+                                                 "not measured by this project"),
+    "h200": GpuCard("H200 141GB", 141, 139.8, "torch.cuda total_memory reported for H200 (about 139.8 GiB); "
+                                              "not measured by this project"),
+    "b200": GpuCard("B200 180GB", 180, round(180 * _USABLE_PER_NOMINAL, 2),
+                    "estimate: 180 GB scaled by the H100's usable share; not measured"),
+}
+
+
+def gpu_memory(spec: str | float) -> tuple[int, str]:
+    """(bytes PyTorch can allocate, a description) of a GPU given by name (``GPU_CARDS``) or nominal size
+    in GB (80: an H100 / A100 80GB; other sizes scaled by the H100's measured usable share).
+
+    Raises:
+        ValueError: neither a known card nor a finite size greater than 0.
+    """
+    text = str(spec).strip().lower()
+    if text in GPU_CARDS:
+        card = GPU_CARDS[text]
+        return int(card.usable_gib * GIB), f"{card.name}: {card.usable_gib:g} GiB usable ({card.source})"
+    try:
+        nominal = float(text)
+    except ValueError:
+        nominal = math.nan
+    if not math.isfinite(nominal) or nominal <= 0:
+        raise ValueError(f"{spec!r} is neither a GPU ({', '.join(GPU_CARDS)}) nor a finite size in GB greater than 0")
+    if nominal == 80:
+        card = GPU_CARDS["h100-80gb"]
+        return int(card.usable_gib * GIB), f"80 GB (H100/A100 80GB): {card.usable_gib:g} GiB usable ({card.source})"
+    usable = nominal * _USABLE_PER_NOMINAL
+    return int(usable * GIB), f"{nominal:g} GB: {usable:.2f} GiB usable (estimated with the H100's usable share)"
 
 
 @dataclass(frozen=True)
@@ -199,7 +259,8 @@ def checkpoint_peak(model: ModelConfig, vocab_size: int, layout: Layout, *, bf16
     return CheckpointPeak(save=written, load=2 * 4 * largest, init_from_hf=4 * stage_params + 2 * 4 * largest)
 
 
-def activation_bytes_per_token(model: ModelConfig, vocab_size: int, *, bf16: bool, tensor: int = 1) -> dict:
+def activation_bytes_per_token(model: ModelConfig, vocab_size: int, *, bf16: bool, tensor: int = 1,
+                               fusions: bool = False) -> dict:
     """Bytes autograd saves per token of a micro-batch (one tensor-parallel rank, sequence parallel):
     per transformer layer, per recomputed layer (its input), and for the final norm, logits and loss.
 
@@ -207,13 +268,18 @@ def activation_bytes_per_token(model: ModelConfig, vocab_size: int, *, bf16: boo
     each RMSNorm its input, its normalised input and output (3h) and an fp32 rstd; the fused QKV
     output, q and k after RoPE (fp32 cos/sin per token), the attention output and fp32 log-sum-exp
     (kernels keep no T x T scores); fc1's output and SwiGLU's three ffn-sized tensors.
+
+    ``fusions``: Megatron's bias-SwiGLU fusion saves only fc1's output (2 ffn; fc2 keeps its input, 1
+    ffn) instead of the unfused 5 ffn; its fused cross entropy (Transformer Engine's, in place on the
+    logits) keeps the logits in the training dtype without the fp32 copy the unfused one makes in bf16.
     """
     a = 2 if bf16 else 4
     h, d, ffn, heads = model.hidden_size, model.kv_channels, model.ffn_hidden_size, model.num_attention_heads
     q, kv = heads * d, model.num_query_groups * d
-    layer = (6 * h + 3 * q + 3 * kv + 5 * ffn) * a / tensor + 4 * 4 * d + 4 * heads / tensor + 8
-    # final norm; logits, and in bf16 the cross entropy's fp32 copy of them
-    logits = (3 * h * a + 4) / tensor + vocab_size / tensor * (4 + (a if bf16 else 0))
+    swiglu = 3 * ffn if fusions else 5 * ffn
+    layer = (6 * h + 3 * q + 3 * kv + swiglu) * a / tensor + 4 * 4 * d + 4 * heads / tensor + 8
+    # final norm; logits, and (unfused, in bf16) the cross entropy's fp32 copy of them
+    logits = (3 * h * a + 4) / tensor + vocab_size / tensor * (a if fusions else 4 + (a if bf16 else 0))
     return {"layer": layer, "layer_input": h * a / tensor, "logits": logits}
 
 
@@ -230,12 +296,14 @@ class MemoryPlan:
     communication: int
     reserved: int
     total: int
-    gpu_bytes: int
+    gpu_bytes: int  # what PyTorch can allocate on the GPU
     layout: Layout
+    kv_extra: int = 0  # of the activations: gathered (all_gather CP) and anchor-copied K/V kept for backward
+    headroom: int = 0  # left free for the allocator (ALLOCATOR_HEADROOM of gpu_bytes)
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.gpu_bytes
+        return self.total + self.headroom <= self.gpu_bytes
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "layout"}
@@ -244,28 +312,43 @@ class MemoryPlan:
 
 
 def plan_memory(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_bytes: int, micro_batch_size: int,
-                bf16: bool = True, distributed_optimizer: bool = True, reserved: int = _CUDA_CONTEXT_BYTES) -> MemoryPlan:
+                bf16: bool = True, distributed_optimizer: bool = True, reserved: int = _CUDA_CONTEXT_BYTES,
+                fusions: bool = False) -> MemoryPlan:
     """The busiest rank's memory for ``model`` trained on ``layout`` (the first pipeline stage holds
     the most micro-batches in flight, the last the logits: both are taken at their worst)."""
+    from nemo_anchor.attention.functional import ANCHOR_KV_COPY
+    from nemo_anchor.attention.paradigms import get_attention_type
+
     state = _busiest_state(model, vocab_size, layout, bf16=bf16, distributed_optimizer=distributed_optimizer)
     tokens = model.seq_length * micro_batch_size // layout.context
-    per_token = activation_bytes_per_token(model, vocab_size, bf16=bf16, tensor=layout.tensor)
+    per_token = activation_bytes_per_token(model, vocab_size, bf16=bf16, tensor=layout.tensor, fusions=fusions)
+    a, kv = (2 if bf16 else 4), model.num_query_groups * model.kv_channels
+    kv_row = 2 * kv * a / layout.tensor  # one token's keys and values
+    gathered = layout.context > 1 and model.cp_comm_type == "all_gather"
+    window_tokens = model.seq_length * micro_batch_size
+    # per layer kept for the backward: the all_gather K/V of the whole window, and the anchor backends'
+    # copy of the K/V they attend to (the gathered window, or under a2a the window for Hkv / cp heads)
+    kv_extra_per_layer = window_tokens * kv_row if gathered else 0
+    if get_attention_type(model.attention_type).mask == "anchor" and model.attention_backend in ANCHOR_KV_COPY:
+        kv_extra_per_layer += (window_tokens if gathered else tokens) * kv_row
     layers = model.num_layers // layout.pipeline
     recomputed = 0 if model.recompute != "full" else (model.recompute_num_layers or layers)
     # selective recompute (core attention) frees nothing measurable here: attention kernels keep only
     # q, k, v, the output and the log-sum-exp, which the recompute needs anyway
     stored = (layers - recomputed) * per_token["layer"] + recomputed * per_token["layer_input"]
     in_flight = layout.pipeline  # 1F1B: the first stage holds up to `pipeline` micro-batches
-    activations = int(tokens * stored * in_flight)
-    recompute_workspace = int(tokens * per_token["layer"]) if recomputed else 0  # one layer, rebuilt in backward
+    kv_extra = int((layers - recomputed) * kv_extra_per_layer * in_flight)
+    activations = int(tokens * stored * in_flight) + kv_extra
+    # one layer, rebuilt in backward
+    recompute_workspace = int(tokens * per_token["layer"] + kv_extra_per_layer) if recomputed else 0
     logits = int(tokens * per_token["logits"])
-    a, kv = (2 if bf16 else 4), model.num_query_groups * model.kv_channels
-    communication = int(tokens * model.hidden_size * a * (layout.tensor > 1)
-                        + model.seq_length * micro_batch_size * 2 * kv * a / layout.tensor * (layout.context > 1))
+    a2a = layout.context > 1 and not gathered  # one layer's all-to-all of K/V in flight
+    communication = int(tokens * model.hidden_size * a * (layout.tensor > 1) + window_tokens * kv_row * a2a)
     total = (state.weights + state.gradients + state.optimizer + activations + recompute_workspace + logits
              + communication + reserved)
     return MemoryPlan(state.weights, state.gradients, state.optimizer, activations, recompute_workspace, logits,
-                      communication, reserved, total, gpu_bytes, layout)
+                      communication, reserved, total, gpu_bytes, layout, kv_extra=kv_extra,
+                      headroom=int(gpu_bytes * ALLOCATOR_HEADROOM))
 
 
 def _busiest_state(model: ModelConfig, vocab_size: int, layout: Layout, **options) -> StateBytes:
@@ -299,12 +382,12 @@ _TENSOR_SIZES = (1, 2, 4, 8)  # tensor parallelism stays inside one 8-GPU node
 
 
 def suggest(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_bytes: int, micro_batch_size: int,
-            bf16: bool, distributed_optimizer: bool) -> str | None:
+            bf16: bool, distributed_optimizer: bool, fusions: bool = False) -> str | None:
     """The smallest change that makes a plan that does not fit fit, in the order users try them: full
     recompute of the fewest layers; then, on the same GPUs and up to 64x as many, every tensor x
     context parallel layout the model allows, first as it is, then with the fewest recomputed layers."""
     options = dict(gpu_bytes=gpu_bytes, micro_batch_size=micro_batch_size, bf16=bf16,
-                   distributed_optimizer=distributed_optimizer)
+                   distributed_optimizer=distributed_optimizer, fusions=fusions)
     if model.recompute != "full" or model.recompute_num_layers is not None:
         layers = fewest_recomputed_layers(model, vocab_size, layout, **options)
         if layers is not None and (model.recompute != "full" or layers > model.recompute_num_layers):

@@ -197,4 +197,4 @@ def test_recipes_build_and_the_context_extension_fits_the_planner():
     scaled = llama3_context_extension(65_536, rope="llama3.1")
     assert scaled.model.rope_scaling and scaled.model.rope_scaling_factor == 8.0 and scaled.model.rotary_base == 5e5
     with pytest.raises(ValueError, match="no context-parallel size up to 1"):
-        llama3_context_extension(131_072, gpus=1, gpu_gib=80)
+        llama3_context_extension(131_072, gpus=1, gpu=80)
