@@ -178,6 +178,19 @@ def test_recipes_build_the_papers_runs(llm, packed):
     on_cpu = not torch.cuda.is_available()
     assert (trainer.max_steps, trainer.devices, trainer.accelerator) == (2000, 8, "cpu" if on_cpu else "gpu")
     assert trainer.strategy.context_parallel_size == 8
+    # every paper preset is its configs/paper file with the planner's recompute, not a copy
+    from nemo_anchor.training.presets import paper_run
+
+    for factory, config_name in zip(factories, ("llama2-7b-128k", "llama3-8b-128k", "mistral-7b-v0.3-128k",
+                                                "qwen1.5-1.8b-128k")):
+        built, paper = factory(data_path="x"), paper_run(config_name).model
+        strategy, model = built.trainer.strategy, built.model.config
+        assert (strategy.tensor_model_parallel_size, strategy.context_parallel_size) == (
+            paper.tensor_model_parallel_size, paper.context_parallel_size), config_name
+        planned = paper.recompute_num_layers if paper.recompute == "full" else None
+        assert getattr(model, "recompute_num_layers", None) == planned, config_name
+    assert recipes.anchor_llama2_7b(seq_length=65_536).model.config.recompute_num_layers == paper_run(
+        "llama2-7b-64k").model.recompute_num_layers
     assert trainer.plugins is None if on_cpu else trainer.plugins.precision == "bf16-mixed"
     assert not trainer.strategy.ddp.average_in_collective  # gloo's AVG reduce-scatter sums (pytorch#162338)
     assert config.calculate_per_token_loss and not config.cross_entropy_loss_fusion
