@@ -142,9 +142,17 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(results: dict) -> str:
-    """The results of ``scripts/gpu_check.py`` as markdown: a header and one table per section."""
-    out = ["# gpu_check", ""]
+TRAINING_SECTIONS = {
+    "training": "Training (small Llama-shaped model, bf16, the trainer's engine)",
+    "smollm2": "SmolLM2-135M training on one GPU (its shape, randomly initialised; bf16)",
+    "cp2": "Context parallel 2 (torchrun, two GPUs)",
+}
+
+
+def markdown_report(results: dict, title: str = "gpu_check") -> str:
+    """The results of ``scripts/gpu_check.py`` (or the suite's merge of them) as markdown: a header and one
+    table per section."""
+    out = [f"# {title}", ""]
     if results.get("skipped"):
         return "\n".join(out + [f"Skipped: {results['skipped']}", ""])
     env = results.get("environment", {})
@@ -171,13 +179,16 @@ def markdown_report(results: dict) -> str:
                  r.get("fwd_bwd_tflops", "-"), r.get("speedup_fwd_bwd", "-"), r.get("peak_gib", "-")] for r in speed]
         out += [_table(["tokens", "docs", "method", "status", "fwd ms", "fwd TFLOP/s", "x SDPA fwd", "fwd+bwd ms",
                         "fwd+bwd TFLOP/s", "x SDPA fwd+bwd", "peak GiB (allocated)"], rows), ""]
-    training = results.get("training", [])
-    if training:
-        out += ["## Training (small Llama-shaped model, bf16, the trainer's engine)", ""]
-        rows = [[r["run"], r["status"], r.get("backend", "-"), r.get("tokens_per_s", "-"), r.get("peak_gib", "-"),
+    for section, heading in TRAINING_SECTIONS.items():
+        training = results.get(section, [])
+        if not training:
+            continue
+        out += [f"## {heading}", "", "MFU counts model FLOPs only; HFU adds recomputed work (none here).", ""]
+        rows = [[r["run"], r["status"], r.get("backend", "-"), r.get("tokens_per_s", "-"),
+                 r.get("tflops_per_gpu", "-"), r.get("mfu", "-"), r.get("hfu", "-"), r.get("peak_gib", "-"),
                  r.get("loss_first", "-"), r.get("loss_last", "-"), r.get("loss_falling", "-")] for r in training]
-        out += [_table(["run", "status", "attention backend", "tokens/s", "peak GiB", "first loss", "last loss",
-                        "loss falling"], rows), ""]
+        out += [_table(["run", "status", "attention backend", "tokens/s", "model TFLOP/s per GPU", "MFU", "HFU",
+                        "peak GiB", "first loss", "last loss", "loss falling"], rows), ""]
     failures = failure_lines(results)
     out += ["## Failures", ""] + ([f"- {line}" for line in failures] or ["none"]) + [""]
     return "\n".join(out)
@@ -195,7 +206,7 @@ def failure_lines(results: dict) -> list[str]:
         elif r["status"].startswith("FAIL"):
             lines.append(f"conformance {r['backend']} {r.get('dtype', '')} {r.get('mode', '')} "
                          f"[{r.get('case', '')}]: {r['status']}")
-    for section in ("speed", "training"):
+    for section in ("speed", *TRAINING_SECTIONS):
         for r in results.get(section, []):
             if r["status"].startswith("FAIL"):
                 what = f"{r['tokens']} tokens {r['method']}" if section == "speed" else r["run"]

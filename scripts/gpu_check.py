@@ -1,19 +1,22 @@
 """Check a CUDA machine end to end: backend conformance, attention speed, training steps.
 
-    python scripts/gpu_check.py [--quick] [--output DIR]
+    python scripts/gpu_check.py [--quick] [--output DIR] [--sections ...] [--lengths ...]
 
-1. conformance: every backend that can run (torch_varlen, flex, flash, te, reference) against the
+1. conformance: every backend that can run (fa3, te, fa4, torch_varlen, flash, flex, reference) against the
    fp32 reference on random packed layouts (anchor, intra_doc, full; grouped-query heads; 1-token
    documents; several windows; a context-parallel query chunk), outputs and q/k/v gradients, bf16
    and fp16, with flash-attn's acceptance rule (error at most twice that of a plain low-precision
    PyTorch implementation, plus a small atol); and flex's block mask against
    ``create_block_mask(..., _compile=True)``;
-2. speed: forward and forward+backward of anchor attention per backend against full-causal SDPA
-   (flash) on one packed window of 8K, 32K and 128K tokens (log-normal documents, 32 heads, 8 KV
-   heads, head dim 128, bf16): milliseconds, TFLOP/s over the kept (query, key) pairs, peak memory;
+2. speed: forward and forward+backward of anchor attention per backend, and of intra_doc and full
+   through the backend ``auto`` picks, against dense full-causal SDPA (flash) in the same run, on one
+   packed window of 8K, 32K and 128K tokens (log-normal documents, 32 heads, 8 KV heads, head dim
+   128, bf16): milliseconds, TFLOP/s over the kept (query, key) pairs, peak memory;
 3. training: 20 steps of a small Llama-shaped model at 16K tokens in bf16 through the trainer's
-   engine, attention_type anchor and full: tokens/s, peak memory, loss falling; a context-parallel
-   run (torchrun, cp=2) when 2 or more GPUs are visible.
+   engine, attention_type anchor and full: tokens/s, peak memory, loss falling; then cp2;
+4. smollm2: SmolLM2-135M's shape (randomly initialised) on one GPU, anchor against full: tokens/s,
+   model TFLOP/s, MFU and HFU against the GPU's published bf16 peak;
+5. cp2: a context-parallel run (torchrun, cp=2) when 2 or more GPUs are visible.
 
 Writes DIR/gpu_check.json and DIR/gpu_check.md, prints the table and one line per failure; the
 exit status is 1 when something failed. Without CUDA it says why and exits 0 (skipped).
@@ -37,7 +40,7 @@ from nemo_anchor import gpu_check as check
 from nemo_anchor.attention.layout import PackLayout, lognormal_documents
 from nemo_anchor.atomic import atomic_file
 
-BACKENDS = ("torch_varlen", "flex", "flash", "te", "reference")
+BACKENDS = ("fa3", "te", "fa4", "torch_varlen", "flash", "flex", "reference")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -156,7 +159,7 @@ def _time_ms(fn, warmup: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def speed(quick: bool, device, mean_doc: int) -> list[dict]:
+def speed(quick: bool, device, mean_doc: int, lengths: tuple[int, ...] | None = None) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nemo_anchor.attention import anchor_attention
@@ -165,7 +168,9 @@ def speed(quick: bool, device, mean_doc: int) -> list[dict]:
     heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
     warmup, repeats = (2, 3) if quick else (3, 10)
     rows = []
-    for tokens in ((8192, 32768) if quick else (8192, 32768, 131072)):
+    from nemo_anchor.attention.functional import _select_backend
+
+    for tokens in lengths or ((8192, 32768) if quick else (8192, 32768, 131072)):
         docs = lognormal_documents(tokens, seed=tokens, mean_tokens=mean_doc)
         g = torch.Generator(device="cpu").manual_seed(0)
         q = torch.randn(tokens, heads, head_dim, generator=g).to(device, dtype).requires_grad_()
@@ -185,6 +190,9 @@ def speed(quick: bool, device, mean_doc: int) -> list[dict]:
             reason = _backend_module(backend).unavailable_reason(q, True)
             methods[f"anchor_attention {backend}"] = ("anchor", reason or (
                 lambda b=backend: anchor_attention(q, k, v, mode="anchor", backend=b, **cu)))
+        chosen = _select_backend("auto", q, True).__name__.rsplit(".", 1)[-1]
+        for mode in ("intra_doc", "full"):  # the other masks through what auto picks
+            methods[f"{mode} ({chosen}, auto)"] = (mode, lambda m=mode: anchor_attention(q, k, v, mode=m, **cu))
         sdpa_ms = None
         for method, (mode, fn) in methods.items():
             row = {"tokens": tokens, "documents": len(docs) - 1, "method": method}
@@ -238,8 +246,19 @@ def _training_batch(tokens: int, vocab: int, mean_doc: int, seed: int) -> dict:
                 cu_windows=torch.tensor([0, tokens], dtype=torch.int32))
 
 
-def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, mean_doc: int) -> dict:
-    """``steps`` optimizer steps on one window through build_engine/train_step; this rank's numbers."""
+SMALL = dict(num_layers=4, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=2)
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json); the weights' values do not change the time
+SMOLLM2_135M = dict(num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9, num_query_groups=3,
+                    tie_embeddings=True, rotary_base="100000")
+SMOLLM2_VOCAB = 49152
+
+
+def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, mean_doc: int,
+           shape: dict = SMALL, vocab: int = 2048) -> dict:
+    """``steps`` optimizer steps on one window through build_engine/train_step; this rank's numbers, with
+    model TFLOP/s, MFU and HFU (nemo_anchor.model.flops, against the GPU's published bf16 peak)."""
+    from nemo_anchor.model.flops import train_step_flops
+    from nemo_anchor.training import throughput
     from nemo_anchor.attention.functional import _select_backend
     from nemo_anchor.model.config import ModelConfig
     from nemo_anchor.parallel.context_parallel import batch_for_this_rank
@@ -247,17 +266,17 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
     from nemo_anchor.training.config import OptimConfig, RunConfig, TrainerConfig
     from nemo_anchor.training.engine import build_engine, train_step
 
-    vocab = 2048
     config = RunConfig(
         output_dir="unused",
-        model=ModelConfig(attention_type=attention_type, seq_length=tokens, num_layers=4, hidden_size=512,
-                          ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=2,
-                          context_parallel_size=context_parallel),
+        model=ModelConfig(attention_type=attention_type, seq_length=tokens, context_parallel_size=context_parallel,
+                          **shape),
         trainer=TrainerConfig(precision="bf16", global_batch_size=1, micro_batch_size=1, max_steps=steps),
         optim=OptimConfig(lr=1e-3, warmup_steps=0)).validate()
     ctx = initialize_parallel(context_parallel_size=context_parallel)
     engine = build_engine(config, ctx, vocab)
-    batch = batch_for_this_rank(_training_batch(tokens, vocab, mean_doc, seed=0), attention_type, ctx.device)
+    whole = _training_batch(tokens, vocab, mean_doc, seed=0)
+    flops = train_step_flops(config.model, vocab, [whole["cu_seqlens"]])
+    batch = batch_for_this_rank(whole, attention_type, ctx.device)
     probe = torch.zeros(1, 8, 64, dtype=torch.bfloat16, device=ctx.device)
     backend = _select_backend(config.model.attention_backend, probe, True).__name__.rsplit(".", 1)[-1]
     torch.cuda.reset_peak_memory_stats()
@@ -270,8 +289,12 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
         times.append(time.perf_counter() - start)
     step_s = sorted(times[2:] or times)[len(times[2:] or times) // 2]  # the median after two warm-up steps
     head, tail = losses[:3], losses[-3:]
+    peak, peak_source = throughput.resolve_peak_tflops(None, ctx.device, "bf16")
+    rates = throughput.rates(flops, step_s, context_parallel, peak)
     result = {"status": "ok", "backend": backend, "steps": steps, "tokens": tokens, "step_s": step_s,
-              "tokens_per_s": tokens / step_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "tokens_per_s": tokens / step_s, "tflops_per_gpu": rates["tflops_per_device"], "mfu": rates["mfu"],
+              "hfu": rates["hfu"], "peak_tflops": f"{peak:g} ({peak_source})",
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
               "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
               "loss_falling": sum(tail) / len(tail) < sum(head) / len(head)}
     if not result["loss_falling"]:
@@ -281,21 +304,54 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
     return result
 
 
-def training(quick: bool, mean_doc: int) -> list[dict]:
-    tokens, steps = (4096, 5) if quick else (16384, 20)
-    rows = []
+def _engine_missing(section: str) -> list[dict] | None:
     for module in ("megatron.core", "omegaconf"):  # the engine's and the run config's
         try:
             __import__(module)
         except Exception as error:  # noqa: BLE001
-            return [{"run": "training", "status": f"skipped: {module} does not import ({type(error).__name__}: "
+            return [{"run": section, "status": f"skipped: {module} does not import ({type(error).__name__}: "
                      f"{error}); bring its wheels (../shared/gpu/README.md)"}]
+    return None
+
+
+def training(quick: bool, mean_doc: int) -> list[dict]:
+    tokens, steps = (4096, 5) if quick else (16384, 20)
+    missing = _engine_missing("training")
+    if missing:
+        return missing
+    rows = []
     for attention_type in ("anchor", "full"):
         run = f"{attention_type}, {tokens} tokens, 1 GPU"
         try:
             rows.append({"run": run, **_train(attention_type, tokens, steps, 1, mean_doc)})
         except Exception as error:  # noqa: BLE001
             rows.append({"run": run, "status": _fail(error)})
+    return rows + cp2(quick, mean_doc)
+
+
+def smollm2(quick: bool, mean_doc: int) -> list[dict]:
+    """SmolLM2-135M's shape on one GPU: anchor against full, with MFU and HFU."""
+    tokens, steps = (4096, 4) if quick else (8192, 8)
+    missing = _engine_missing("smollm2")
+    if missing:
+        return missing
+    rows = []
+    for attention_type in ("anchor", "full"):
+        run = f"SmolLM2-135M {attention_type}, {tokens} tokens, 1 GPU"
+        try:
+            rows.append({"run": run, **_train(attention_type, tokens, steps, 1, mean_doc, SMOLLM2_135M, SMOLLM2_VOCAB)})
+        except Exception as error:  # noqa: BLE001
+            rows.append({"run": run, "status": _fail(error)})
+    return rows
+
+
+def cp2(quick: bool, mean_doc: int) -> list[dict]:
+    """One anchor run over two GPUs with context parallelism 2 (torchrun), when two are visible."""
+    tokens, steps = (4096, 5) if quick else (16384, 20)
+    missing = _engine_missing("cp2")
+    if missing:
+        return missing
+    rows = []
     gpus = torch.cuda.device_count()
     run = f"anchor, {tokens} tokens, context parallel 2"
     if gpus < 2:
@@ -328,10 +384,13 @@ def environment() -> dict:
     from nemo_anchor import gpu
 
     kernel, reason = gpu.torch_varlen_attn()
+    installed = {name: "yes" if found is not None else why for name, (found, why) in (
+        ("flash-attn 2", gpu.flash_attn_varlen_func()), ("FlashAttention-3", gpu.flash_attn_3_varlen_func()),
+        ("FlashAttention-4", gpu.flash_attn_4_varlen_func()), ("Transformer Engine", gpu.transformer_engine_pytorch()))}
     return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
             "gpus": torch.cuda.device_count(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
             "torch": torch.__version__, "cuda": torch.version.cuda,
-            "varlen_attn": f"varlen_attn{inspect.signature(kernel)}" if kernel else reason}
+            "varlen_attn": f"varlen_attn{inspect.signature(kernel)}" if kernel else reason, **installed}
 
 
 def write_report(results: dict, output: Path) -> None:
@@ -346,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller layouts, 8K/32K, 5 training steps at 4K")
     parser.add_argument("--output", type=Path, default=Path("gpu_check_out"), help="where the JSON and markdown go")
-    parser.add_argument("--sections", nargs="+", choices=("conformance", "speed", "training"),
+    parser.add_argument("--sections", nargs="+", choices=("conformance", "speed", "training", "smollm2", "cp2"),
                         default=["conformance", "speed", "training"])
+    parser.add_argument("--lengths", type=int, nargs="+", help="speed: window lengths (default 8K 32K 128K)")
     parser.add_argument("--mean-doc", type=int, default=4096, help="mean document length (log-normal)")
     parser.add_argument("--cp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
@@ -365,8 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     results = {"environment": environment(), "quick": args.quick}
     sections = {"conformance": lambda: conformance(args.quick, device),
-                "speed": lambda: speed(args.quick, device, args.mean_doc),
-                "training": lambda: training(args.quick, args.mean_doc)}
+                "speed": lambda: speed(args.quick, device, args.mean_doc, args.lengths),
+                "training": lambda: training(args.quick, args.mean_doc),
+                "smollm2": lambda: smollm2(args.quick, args.mean_doc),
+                "cp2": lambda: cp2(args.quick, args.mean_doc)}
     for name in args.sections:
         started = time.perf_counter()
         try:

@@ -126,3 +126,51 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
     assert "gpu_check: skipped: no CUDA device" in done.stdout
     assert json.loads((tmp_path / "gpu_check.json").read_text())["skipped"].startswith("no CUDA device")
     assert "Skipped: no CUDA device" in (tmp_path / "gpu_check.md").read_text()
+
+
+# --- scripts/gpu_suite.sh ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")
+def test_gpu_suite_without_cuda_says_so_in_one_line_and_runs_nothing(tmp_path):
+    out = tmp_path / "suite"
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_suite.sh"), str(out)], capture_output=True, text=True,
+                          timeout=120, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"gpu_suite: skipped: {check.cuda_unavailable_reason()}"]
+    assert not out.exists()  # no part started
+
+
+def _suite_merge():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "scripts" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_suite_records_each_broken_part_and_keeps_the_others(tmp_path, capsys):
+    """A part that timed out, one that crashed before writing results and one that never ran become FAIL rows;
+    the finished part's rows and the environment stay, and the JSON and markdown are written."""
+    smollm2_rows = [{"run": "SmolLM2-135M anchor, 8192 tokens, 1 GPU", "status": "ok", "backend": "torch_varlen",
+                     "tokens_per_s": 50000.0, "tflops_per_gpu": 120.0, "mfu": 0.121, "hfu": 0.121}]
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "gpu_check.json").write_text(json.dumps(
+        {"environment": {"gpu": "NVIDIA H100 80GB HBM3"}, "smollm2": smollm2_rows}))
+    (tmp_path / "smollm2.rc").write_text("0 61 110\n")
+    (tmp_path / "speed.rc").write_text("124 200 200\n")
+    (tmp_path / "speed.log").write_text("gpu_check: compiling flex at 131072\n")
+    (tmp_path / "conformance.rc").write_text("1 12 100\n")
+    (tmp_path / "conformance.log").write_text("Traceback ...\nRuntimeError: CUDA error: illegal memory access\n")
+    status = _suite_merge().main([str(tmp_path)])
+    assert status == 1
+    results = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert results["environment"] == {"gpu": "NVIDIA H100 80GB HBM3"} and results["smollm2"] == smollm2_rows
+    assert results["speed"][0]["status"] == "FAIL: timed out after 200 s (gpu_check: compiling flex at 131072)"
+    assert results["conformance"][0]["status"].startswith("FAIL: exit 1, no results (RuntimeError: CUDA error")
+    assert results["cp2"][0]["status"] == "FAIL: the part did not run"
+    assert results["suite"]["smollm2"] == {"exit": 0, "seconds": 61, "limit_s": 110}
+    text = (tmp_path / "gpu_suite.md").read_text()
+    assert text.startswith("# gpu_suite") and "| MFU | HFU |" in text and "0.121" in text
+    assert len(check.failure_lines(results)) == 3
