@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_anchor import gpu
-from nemo_anchor.attention import anchor_attention, flash, te
+from nemo_anchor.attention import anchor_attention, fa3, fa4, flash, te
 from nemo_anchor.attention.layout import layout_blocks, varlen_plan
 from nemo_anchor.attention.reference import dense_mask
 
@@ -213,17 +213,36 @@ class DotProductAttentionStandin(torch.nn.Module):
         return out.reshape(out.shape[0], -1)
 
 
+def fa3_varlen_func_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                            seqused_k=None, softmax_scale=None, causal=False, **unused):
+    """FlashAttention-3's ``flash_attn_interface.flash_attn_varlen_func`` (some releases return (out, lse))."""
+    assert causal and seqused_q is None and seqused_k is None and not unused
+    out = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    return out, torch.zeros(q.shape[1], q.shape[0])
+
+
+def fa4_varlen_func_standin(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                            softmax_scale=None, causal=False, **unused):
+    """FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func``: keyword boundaries, returns (out, lse)."""
+    assert causal and not unused
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    return out, torch.zeros(q.shape[1], q.shape[0])
+
+
 @pytest.fixture
 def gpu_standins(monkeypatch):
-    """The flash and te backends run on CPU tensors with the stand-in kernels."""
+    """The flash, fa3, fa4 and te backends run on CPU tensors with the stand-in kernels."""
     monkeypatch.setattr(gpu, "flash_attn_varlen_func", lambda: (flash_attn_varlen_func_standin, None))
+    monkeypatch.setattr(gpu, "flash_attn_3_varlen_func", lambda: (fa3_varlen_func_standin, None))
+    monkeypatch.setattr(gpu, "flash_attn_4_varlen_func", lambda: (fa4_varlen_func_standin, None))
     fake_te = types.SimpleNamespace(DotProductAttention=DotProductAttentionStandin)
     monkeypatch.setattr(gpu, "transformer_engine_pytorch", lambda: (fake_te, None))
-    for module in (flash, te):
+    for module in (flash, fa3, fa4, te):
         monkeypatch.setattr(module, "unavailable_reason", lambda q, needs_grad: None)
 
 
-@pytest.mark.parametrize("backend", ["flash", "te"])
+@pytest.mark.parametrize("backend", ["flash", "fa3", "fa4", "te"])
 # the fixture only installs the stand-ins: nothing to reset between examples
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(problem=problems())
@@ -261,7 +280,7 @@ def test_varlen_plan_without_anchors_slices_keys_without_copying():
 # --- the real kernels -----------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["torch_varlen", "flex", "flash", "te"])
+@pytest.mark.parametrize("backend", ["torch_varlen", "flex", "flash", "fa3", "fa4", "te"])
 def test_real_gpu_kernels_match_reference(backend):
     problem = Problem((0, 100, 101, 300, 512), (0, 300, 512), "anchor", 2, 2, 64, 0, 512, seed=0)
     q, k, v = (x.detach().cuda().requires_grad_() for x in problem.tensors(torch.bfloat16))
