@@ -56,10 +56,10 @@ class GpuCard:
 # nominal sizes without a measurement are scaled by that ratio
 _USABLE_PER_NOMINAL = 79.11 / 80
 GPU_CARDS = {
-    "h100-80gb": GpuCard("H100 80GB", 80, 79.11, "measured (PyTorch's out-of-memory total on an H100 80GB)"),
+    "h100-80gb": GpuCard("H100 80GB", 80, 79.11, "measured: PyTorch's out-of-memory total on an H100 80GB"),
     "a100-80gb": GpuCard("A100 80GB", 80, 79.15, "PyTorch's out-of-memory total reported for A100 80GB; "
                                                  "not measured by this project"),
-    "h200": GpuCard("H200 141GB", 141, 139.8, "torch.cuda total_memory reported for H200 (about 139.8 GiB); "
+    "h200": GpuCard("H200 141GB", 141, 139.8, "torch.cuda total_memory reported for H200; "
                                               "not measured by this project"),
     "b200": GpuCard("B200 180GB", 180, round(180 * _USABLE_PER_NOMINAL, 2),
                     "estimate: 180 GB scaled by the H100's usable share; not measured"),
