@@ -7,7 +7,8 @@ full copy of K and V per layer. Here instead:
 
 1. the kernel runs the query blocks *without* their anchors: each document against its own keys,
    consecutive ranges of k/v (``kv_rows`` is a slice: no copy), giving ``out_doc`` and its
-   log-sum-exp ``lse_doc``;
+   log-sum-exp ``lse_doc`` (after a window whose first document is its BOS alone the keys are not
+   consecutive and ``kv_rows`` gathers them: rare, see :class:`~nemo_anchor.attention.layout.VarlenPlan`);
 2. the anchor is one key: per query its score ``s = scale * q . k[anchor]``, a number per head;
 3. the two are one softmax: ``lse = logaddexp(lse_doc, s)``,
    ``out = out_doc * exp(lse_doc - lse) + v[anchor] * exp(s - lse)``.
@@ -46,7 +47,8 @@ class VarlenKernel:
 
 @dataclass(frozen=True)
 class _Run:
-    """Query rows ``[start, end)`` (of q) that all see the key ``anchor`` besides their document's keys."""
+    """Queries ``[start, end)`` (packed positions; rows of q once ``q_offset`` is subtracted) that all see the
+    key ``anchor`` besides their document's keys."""
 
     start: int
     end: int
@@ -114,7 +116,6 @@ class _AnchorMerged(torch.autograd.Function):
             lse[:, rows] = merged.T
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.plan, ctx.runs, ctx.scale = kernel, plan, runs, scale
-        ctx.mark_non_differentiable(lse)
         return out
 
     @staticmethod
