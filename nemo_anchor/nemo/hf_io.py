@@ -1,7 +1,8 @@
 """Hugging Face import and export of the AnchorAttention NeMo models, strict about every weight.
 
-Registered on ``AnchorLlamaModel``, ``AnchorMistralModel`` and ``AnchorQwen2Model`` as their
-``hf`` connectors, so these use them::
+:class:`AnchorImporter` and :class:`AnchorExporter` make the ``hf`` connectors that
+``nemo_anchor.nemo.models`` registers on ``AnchorLlamaModel``, ``AnchorMistralModel`` and
+``AnchorQwen2Model``, so these use them::
 
     llm.import_ckpt(model=AnchorLlamaModel(AnchorLlamaConfig()), source="hf://DIR", output_path=OUT)
     llm.export_ckpt(path=OUT, target="hf", output_path=HF)
@@ -28,16 +29,12 @@ import re
 from typing import Iterable
 
 import torch
-from nemo.collections.llm.gpt.model.llama import HFLlamaExporter, HFLlamaImporter
-from nemo.collections.llm.gpt.model.mistral import HFMistralExporter, HFMistralImporter
-from nemo.collections.llm.gpt.model.qwen2 import HFQwen2Exporter, HFQwen2Importer
 from nemo.lightning import io
 from nemo.lightning.pytorch.utils import dtype_from_hf
 
 from nemo_anchor.export.hf_mapping import LLAMA3_ROPE, model_config_from_hf, to_hf_config
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.nemo import config as anchor_config
-from nemo_anchor.nemo.models import AnchorLlamaModel, AnchorMistralModel, AnchorQwen2Model
 
 # Transformer Engine's fused names (NeMo's mappings) -> Megatron's local layer spec
 _TE_TO_LOCAL = {
@@ -209,10 +206,10 @@ def _strict_transforms():
 
 # ---------------------------------------------------------------- connectors
 
-class _AnchorImporter:
+class AnchorImporter:
     """Mixed in before a NeMo HF importer: Anchor model and config, strict weights."""
 
-    MODEL_CLASS: type
+    MODEL_CLASS: type  # set where the importer is registered: nemo_anchor.nemo.models
     CONFIG_FAMILY: type
 
     def init(self):
@@ -227,7 +224,7 @@ class _AnchorImporter:
             return super().convert_state(source, target)
 
 
-class _AnchorExporter:
+class AnchorExporter:
     """Mixed in before a NeMo HF exporter: the HF config from the project's mapping, strict weights."""
 
     @property
@@ -243,33 +240,3 @@ class _AnchorExporter:
     def convert_state(self, source, target, *args, **kwargs):
         with _strict_transforms():
             return super().convert_state(source, target, *args, **kwargs)
-
-
-@io.model_importer(AnchorLlamaModel, "hf")
-class AnchorHFLlamaImporter(_AnchorImporter, HFLlamaImporter):
-    MODEL_CLASS, CONFIG_FAMILY = AnchorLlamaModel, anchor_config.AnchorLlamaConfig
-
-
-@io.model_importer(AnchorMistralModel, "hf")
-class AnchorHFMistralImporter(_AnchorImporter, HFMistralImporter):
-    MODEL_CLASS, CONFIG_FAMILY = AnchorMistralModel, anchor_config.AnchorMistralConfig
-
-
-@io.model_importer(AnchorQwen2Model, "hf")
-class AnchorHFQwen2Importer(_AnchorImporter, HFQwen2Importer):
-    MODEL_CLASS, CONFIG_FAMILY = AnchorQwen2Model, anchor_config.AnchorQwen2Config
-
-
-@io.model_exporter(AnchorLlamaModel, "hf")
-class AnchorHFLlamaExporter(_AnchorExporter, HFLlamaExporter):
-    pass
-
-
-@io.model_exporter(AnchorMistralModel, "hf")
-class AnchorHFMistralExporter(_AnchorExporter, HFMistralExporter):
-    pass
-
-
-@io.model_exporter(AnchorQwen2Model, "hf")
-class AnchorHFQwen2Exporter(_AnchorExporter, HFQwen2Exporter):
-    pass
