@@ -2,7 +2,7 @@
 
 The forward step is the one our trainer runs (``nemo_anchor.training.forward``): the batch is
 sharded for context parallelism and moved to the device by the shared data step
-(:func:`nemo_anchor.nemo.mixin.anchor_data_step`), then one THD pack goes through the model; the loss contract (sum, tokens, reported pair) is Megatron's, which
+(:func:`nemo_anchor.training.mixin.anchor_data_step`), then one THD pack goes through the model; the loss contract (sum, tokens, reported pair) is Megatron's, which
 Bridge's loop reduces over the data x context-parallel group.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from megatron.bridge.training.callbacks import Callback, CallbackContext
 from megatron.core.utils import get_model_config
 
 from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.nemo.mixin import anchor_data_step
+from nemo_anchor.training.mixin import anchor_data_step
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import throughput
 from nemo_anchor.training.forward import megatron_forward_step
