@@ -10,7 +10,7 @@
 
 They reuse NeMo's own connectors (weight mappings and q/k/v, gate/up transforms) and change three things:
 
-- the config: the Anchor config is built from the HF config by ``nemo_anchor.export.hf_mapping``
+- the config: the Anchor config is built from the HF config by ``nemo_anchor.convert.hf_mapping``
   (the project's reading of HF configs, with every RoPE scaling it supports: NTK folded into the
   base, YaRN, Llama 3.1's), and written back to HF by it on export;
 - the names: NeMo's mappings name Transformer Engine's fused layers
@@ -32,7 +32,7 @@ import torch
 from nemo.lightning import io
 from nemo.lightning.pytorch.utils import dtype_from_hf
 
-from nemo_anchor.export.hf_mapping import LLAMA3_ROPE, model_config_from_hf, to_hf_config
+from nemo_anchor.convert.hf_mapping import LLAMA3_ROPE, model_config_from_hf, to_hf_config
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.nemo import config as anchor_config
 

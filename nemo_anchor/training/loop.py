@@ -250,7 +250,7 @@ class Trainer:
             return None
 
         def initialize(gpt: torch.nn.Module) -> None:
-            from nemo_anchor.export.hf import init_model_from_hf
+            from nemo_anchor.training.init_from_hf import init_model_from_hf
 
             init_model_from_hf(gpt, source)
 

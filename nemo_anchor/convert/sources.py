@@ -23,8 +23,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nemo_anchor.export.hf_mapping import check_hf_weights, hf_to_megatron_state, model_config_from_hf
-from nemo_anchor.export.megatron_state import canonical_state, check_state
+from nemo_anchor.convert.hf_mapping import check_hf_weights, hf_to_megatron_state, model_config_from_hf
+from nemo_anchor.convert.megatron_state import MASTER_PREFIX, canonical_state, check_state
 from nemo_anchor.hf_dir import CONFIG_FILE, is_hf_dir, read_hf_tensors
 from nemo_anchor.model.config import ModelConfig
 
@@ -47,7 +47,7 @@ class LoadedCheckpoint:
     kind: str  # HF | NEMO2 | NEMO_ANCHOR
     config: ModelConfig
     vocab_size: int  # rows of the embedding (NeMo pads the tokenizer's vocabulary)
-    state: dict[str, torch.Tensor]  # see nemo_anchor.export.megatron_state
+    state: dict[str, torch.Tensor]  # see nemo_anchor.convert.megatron_state
     tokenizer_dir: Optional[Path]  # HF tokenizer files, when the checkpoint has them
 
 
@@ -137,7 +137,6 @@ def _nemo2_tokenizer_dir(context: Path, tokenizer: Optional[dict]) -> Optional[P
 
 def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
     from nemo_anchor.run_dir import resolve_checkpoint, run_dir_of
-    from nemo_anchor.training.optimizer_state import MASTER_PREFIX
 
     ckpt_dir = resolve_checkpoint(path)
     config = _nemo_anchor_config(ckpt_dir)

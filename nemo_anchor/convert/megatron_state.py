@@ -23,8 +23,14 @@ from typing import Mapping
 
 import torch
 
-from nemo_anchor.export.weight_match import config_key_explainer, match_weights
+from nemo_anchor.convert.weight_match import config_key_explainer, match_weights
 from nemo_anchor.model.config import ModelConfig
+
+# Megatron's optimizer-state keys in model space (written by nemo_anchor.training.optimizer_state)
+STATE_PREFIX = "optimizer.state"
+# Megatron's name for the fp32 master of a bf16 parameter (Float16OptimizerWithFloat16Params)
+MAIN_PARAM = "fp32_param"
+MASTER_PREFIX = f"{STATE_PREFIX}.{MAIN_PARAM}."  # + a model key: the fp32 master of that bf16 parameter
 
 _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -83,7 +89,7 @@ def expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, .
 
 def check_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int, *, source: str) -> None:
     """ValueError naming the first mismatched, missing or unused tensor of a canonical state
-    (:func:`~nemo_anchor.export.weight_match.match_weights`), with both shapes and the config key."""
+    (:func:`~nemo_anchor.convert.weight_match.match_weights`), with both shapes and the config key."""
     found = {key: tuple(value.shape) for key, value in state.items()}
     if cfg.tie_embeddings:
         found.pop("output_layer.weight", None)  # some writers keep the tied copy
