@@ -32,11 +32,14 @@ STATE_PREFIX = "optimizer.state"
 MAIN_PARAM = "fp32_param"
 MASTER_PREFIX = f"{STATE_PREFIX}.{MAIN_PARAM}."  # + a model key: the fp32 master of that bf16 parameter
 
-_TE_TO_LOCAL = {
+# A layer's names under Transformer Engine's fused modules (our checkpoints, NeMo's and Bridge's mappings)
+# -> Megatron's local layer spec: THE name table; the HF conversion and NeMo's connectors both read it.
+TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-_LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
 _STACKED_LAYER_KEY = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -64,7 +67,7 @@ def _local_name(key: str) -> str:
     if layer is None:
         return key
     index, rest = layer.groups()
-    return f"decoder.layers.{index}.{_TE_TO_LOCAL.get(rest, rest)}"
+    return f"decoder.layers.{index}.{TE_TO_LOCAL.get(rest, rest)}"
 
 
 def expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:

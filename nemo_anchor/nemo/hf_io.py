@@ -33,16 +33,9 @@ from nemo.lightning import io
 from nemo.lightning.pytorch.utils import dtype_from_hf
 
 from nemo_anchor.convert.hf_mapping import LLAMA3_ROPE, model_config_from_hf, to_hf_config
+from nemo_anchor.convert.megatron_state import TE_TO_LOCAL
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.nemo import config as anchor_config
-
-# Transformer Engine's fused names (NeMo's mappings) -> Megatron's local layer spec
-_TE_TO_LOCAL = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
 
 
 class UnmappedWeightError(ValueError):
@@ -132,7 +125,7 @@ def _megatron_keys(module) -> list[str] | None:
 
 
 def _to_local(key: str) -> str:
-    for te, local in _TE_TO_LOCAL.items():
+    for te, local in TE_TO_LOCAL.items():  # NeMo's mappings name TE's fused modules
         if key.endswith(te):
             return key[: -len(te)] + local
     return key
