@@ -33,8 +33,8 @@ from nemo.lightning import io
 from nemo.lightning.pytorch.utils import dtype_from_hf
 
 from nemo_anchor.convert.hf_mapping import LLAMA3_ROPE, model_config_from_hf, to_hf_config
+from nemo_anchor.convert.megatron_config import model_config_from_megatron
 from nemo_anchor.convert.megatron_state import TE_TO_LOCAL
-from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.nemo import config as anchor_config
 
 
@@ -84,35 +84,6 @@ def _largest_power_of_two_dividing(value: int, at_most: int) -> int:
     while value % base:
         base //= 2
     return base
-
-
-_ARCHITECTURES = ((anchor_config.AnchorQwen2Config, "qwen2"), (anchor_config.AnchorMistralConfig, "mistral"),
-                  (anchor_config.AnchorLlamaConfig, "llama"))
-
-
-def model_config_from_anchor(config) -> ModelConfig:
-    """The project's ``ModelConfig`` of an Anchor NeMo config (HF export, FLOP counts)."""
-    architecture = next(arch for family, arch in _ARCHITECTURES if isinstance(config, family))
-    heads = config.num_attention_heads
-    kv_channels = config.kv_channels or config.hidden_size // heads
-    scaling = {}
-    if isinstance(config, anchor_config.AnchorLlama31Config):
-        scaling = dict(rope_scaling="llama3", rope_scaling_factor=config.scale_factor,
-                       original_max_position_embeddings=config.old_context_len)
-    elif config.position_embedding_type == "yarn":
-        scaling = dict(rope_scaling="yarn", rope_scaling_factor=config.yarn_rotary_scaling_factor,
-                       original_max_position_embeddings=config.yarn_original_max_position_embeddings)
-    recompute = {"full": "full", "selective": "selective"}.get(config.recompute_granularity, "none")
-    return ModelConfig(
-        architecture=architecture, attention_type=config.attention_type, num_layers=config.num_layers,
-        hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=heads,
-        num_query_groups=config.num_query_groups or heads,
-        head_dim=None if kv_channels * heads == config.hidden_size else kv_channels,
-        vocab_size=config.vocab_size, seq_length=config.seq_length, rotary_base=str(float(config.rotary_base)),
-        norm_epsilon=config.layernorm_epsilon, init_method_std=config.init_method_std,
-        tie_embeddings=config.share_embeddings_and_output_weights, add_qkv_bias=config.add_qkv_bias,
-        recompute=recompute, recompute_num_layers=config.recompute_num_layers if recompute == "full" else None,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size, **scaling)
 
 
 # ---------------------------------------------------------------- strict weight mapping
@@ -224,7 +195,7 @@ class AnchorExporter:
     def config(self):
         source = io.load_context(str(self), subpath="model.config")
         tokenizer = getattr(self.tokenizer, "tokenizer", None)
-        return to_hf_config(model_config_from_anchor(source), source.vocab_size,
+        return to_hf_config(model_config_from_megatron(source), source.vocab_size,
                             bos_token_id=getattr(tokenizer, "bos_token_id", None),
                             eos_token_id=getattr(tokenizer, "eos_token_id", None),
                             pad_token_id=getattr(tokenizer, "pad_token_id", None),

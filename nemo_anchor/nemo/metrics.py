@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from nemo_anchor.nemo.hf_io import model_config_from_anchor
+from nemo_anchor.convert.megatron_config import model_config_from_megatron
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import throughput
 from nemo_anchor.training.metrics import MetricsLogger
@@ -41,7 +41,7 @@ class AnchorMetricsCallback(pl.Callback):
         config = pl_module.config
         precision = "bf16" if config.bf16 else "fp32"
         self._peak, _ = throughput.resolve_peak_tflops(self.peak_tflops, pl_module.device, precision)
-        self._model = model_config_from_anchor(config)
+        self._model = model_config_from_megatron(config)
         self._vocab_size = config.vocab_size or pl_module.tokenizer.vocab_size
         self._logger = MetricsLogger(RunDir(AppState().log_dir), total_steps=trainer.max_steps,
                                      start_step=trainer.global_step, enabled=trainer.is_global_zero, progress_bar=False)
