@@ -65,11 +65,10 @@ class MetricsCallback(Callback):
         windows = [self.stream.window(i) for i in range((self.step - 1) * batch, self.step * batch)]
         flops = throughput.global_batch_flops(self.model_config, cfg.model.vocab_size, self.stream.dataset, windows)
         tokens = batch * cfg.model.seq_length
-        record = {"step": self.step, "loss": float(context.loss_dict["loss"]), "lr": self.lr,
-                  "grad_norm": None if context.grad_norm is None else float(context.grad_norm),
-                  "tokens": tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-                  **throughput.rates(flops, elapsed, self.devices, self.peak)}
-        self.logger.log_step(record)
+        values = {"loss": float(context.loss_dict["loss"]), "lr": self.lr,
+                  "grad_norm": None if context.grad_norm is None else float(context.grad_norm), "tokens": tokens}
+        self.logger.log_train_step(self.step, values, seconds=elapsed, flops=flops, devices=self.devices,
+                                   peak_tflops=self.peak)
 
     def on_train_end(self, context: CallbackContext) -> None:
         if self.logger is not None:

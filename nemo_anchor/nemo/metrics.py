@@ -58,10 +58,9 @@ class AnchorMetricsCallback(pl.Callback):
         flops = throughput.global_batch_flops(self._model, self._vocab_size, data.train_dataset, windows)
         tokens = global_batch * data.seq_length
         loss = trainer.callback_metrics["reduced_train_loss"]
-        self._logger.log_step({
-            "step": trainer.global_step, "loss": float(loss), "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "tokens": tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-            **throughput.rates(flops, elapsed, trainer.world_size, self._peak)})
+        self._logger.log_train_step(
+            trainer.global_step, {"loss": float(loss), "lr": trainer.optimizers[0].param_groups[0]["lr"], "tokens": tokens},
+            seconds=elapsed, flops=flops, devices=trainer.world_size, peak_tflops=self._peak)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._logger is not None:

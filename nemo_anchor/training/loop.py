@@ -346,9 +346,8 @@ class Trainer:
                 first_step = tokens_seen == 0
                 tokens_seen += last["tokens"]
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    logger.log_step({"step": self.step, **last, "tokens_per_s": last["tokens"] / elapsed,
-                                     "step_time_s": elapsed,
-                                     **throughput.rates(flops, elapsed, self.ctx.world_size, self.peak_tflops)})
+                    logger.log_train_step(self.step, last, seconds=elapsed, flops=flops, devices=self.ctx.world_size,
+                                          peak_tflops=self.peak_tflops)
                 if first_step:  # Adam's state exists from the first step on
                     logger.log_memory(self.step, self._state_bytes_per_rank())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
