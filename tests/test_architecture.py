@@ -31,6 +31,8 @@ LAYERS = (
 INDEPENDENT = {"nemo", "bridge", "ablation"}
 # Only these parts may import a framework: the rest of the package runs without it.
 FRAMEWORK_OWNERS = {"nemo": {"nemo"}, "lightning": {"nemo"}, "nemo_run": {"nemo"}, "megatron.bridge": {"bridge"}}
+# Our trainer's own door (its loop and CLI): NeMo and Bridge reuse the parts below it, never the door itself.
+TRAINER_DOOR = {"nemo_anchor.training.loop", "nemo_anchor.training.cli"}
 NO_MEGATRON = {"attention", "data"}  # and no torch.distributed: they run in any process, on any stack
 
 
@@ -131,6 +133,12 @@ def test_each_framework_is_imported_behind_its_own_door():
               for name, path in MODULES.items() for imported, line in _imports(name, path)
               for framework, owners in FRAMEWORK_OWNERS.items()
               if (imported == framework or imported.startswith(framework + ".")) and _part(name) not in owners]
+    assert strays == []
+
+
+def test_nemo_and_bridge_are_adapters_over_shared_parts_not_over_our_trainer():
+    strays = [f"{MODULES[a].relative_to(PACKAGE.parent)}:{line} imports {b}"
+              for a, b, line in _internal_edges() if _part(a) in ("nemo", "bridge") and b in TRAINER_DOOR]
     assert strays == []
 
 
