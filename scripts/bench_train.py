@@ -48,7 +48,7 @@ def worker(args) -> dict:
     if args.model == "smollm2":
         import transformers
 
-        from nemo_anchor.export.hf_mapping import model_config_from_hf
+        from nemo_anchor.convert.hf_mapping import model_config_from_hf
         from nemo_anchor.export.pretrained import prepare_smollm2
 
         hf_config = transformers.AutoConfig.from_pretrained(prepare_smollm2())

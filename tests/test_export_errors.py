@@ -6,11 +6,12 @@ import torch
 import transformers
 
 from nemo_anchor.cli import main
+from nemo_anchor.convert.megatron_state import build_model
 from nemo_anchor.data import byte_tokenizer
-from nemo_anchor.export.hf import export_hf, import_hf, init_model_from_hf
+from nemo_anchor.export.hf import export_hf, import_hf
 from nemo_anchor.export.inference import load_checkpoint
-from nemo_anchor.export.megatron_state import build_model
 from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.training.init_from_hf import init_model_from_hf
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
     ({"rope_type": "yarn", "factor": 2.0, "beta_fast": 16.0}, "rope_scaling.beta_fast=16.0"),
 ], ids=["llama3-low-freq", "llama3-original-length", "dynamic", "yarn-beta"])
 def test_rope_scaling_megatron_cannot_do_is_named(rope_scaling, named):
-    from nemo_anchor.export.hf_mapping import model_config_from_hf
+    from nemo_anchor.convert.hf_mapping import model_config_from_hf
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,

@@ -7,12 +7,13 @@ import transformers
 from safetensors import safe_open
 
 from nemo_anchor.compat import hf_rope
+from nemo_anchor.convert.hf_mapping import megatron_to_hf_state
+from nemo_anchor.convert.megatron_state import build_model, canonical_state
 from nemo_anchor.data import byte_tokenizer
-from nemo_anchor.export.hf import export_hf, import_hf, init_model_from_hf
-from nemo_anchor.export.hf_mapping import megatron_to_hf_state
+from nemo_anchor.export.hf import export_hf, import_hf
 from nemo_anchor.export.inference import load_checkpoint, load_hf_model
-from nemo_anchor.export.megatron_state import build_model, canonical_state
 from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.training.init_from_hf import init_model_from_hf
 
 VOCAB = 259  # the byte tokenizer: 256 bytes + BOS, EOS, PAD
 BOS, EOS, PAD = 256, 257, 258
@@ -272,9 +273,9 @@ def test_sliced_hf_reads_match_the_full_conversion(tmp_path, arch):
     """``model.init_from_hf`` reads a rank's shard from safetensors: every tensor's halves of rows and
     columns (what two tensor-parallel ranks hold, QKV groups and gate/up included) equal the whole
     HF->Megatron conversion's."""
-    from nemo_anchor.export.hf_mapping import hf_to_megatron_state
-    from nemo_anchor.export.hf_slices import sliced_state
-    from nemo_anchor.export.sources import read_model_config
+    from nemo_anchor.convert.hf_mapping import hf_to_megatron_state
+    from nemo_anchor.convert.hf_slices import sliced_state
+    from nemo_anchor.convert.sources import read_model_config
 
     hf = save_tiny_hf(tmp_path / "hf", arch)
     cfg, _ = read_model_config(tmp_path / "hf")

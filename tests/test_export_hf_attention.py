@@ -4,8 +4,8 @@ import torch
 import transformers
 
 import nemo_anchor.export.hf_attention  # noqa: F401  registers "anchor"
-from nemo_anchor.export.hf_mapping import hf_to_megatron_state, model_config_from_hf
-from nemo_anchor.export.megatron_state import build_model, load_into_model
+from nemo_anchor.convert.hf_mapping import hf_to_megatron_state, model_config_from_hf
+from nemo_anchor.convert.megatron_state import build_model, load_into_model
 from nemo_anchor.model.gpt import packed_forward
 
 # two rows (windows) of 12 tokens: documents [0,4) [4,9) [9,12) | [12,15) [15,24)

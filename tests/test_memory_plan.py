@@ -94,7 +94,6 @@ def test_saved_activations_within_a_quarter_of_the_estimate(precision, recompute
 # process's peak resident set (Linux: writing 5 to /proc/self/clear_refs resets the peak)
 _MEASURE_CHECKPOINT = r'''
 import json, sys, torch
-from nemo_anchor.export.hf import init_model_from_hf
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.gpt import build_gpt_model
 from nemo_anchor.parallel.distributed import initialize_parallel
@@ -102,6 +101,7 @@ from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import checkpoint
 from nemo_anchor.training.config import RunConfig, TrainerConfig
 from nemo_anchor.training.engine import build_engine, train_step
+from nemo_anchor.training.init_from_hf import init_model_from_hf
 
 
 def status(field):

@@ -247,7 +247,8 @@ def test_hf_import_writes_every_weight_or_names_the_one_it_cannot(llm, tiny_byte
     import transformers
 
     from nemo_anchor.nemo import AnchorLlamaConfig, AnchorLlamaModel
-    from nemo_anchor.nemo.hf_io import AnchorHFLlamaImporter, UnmappedWeightError
+    from nemo_anchor.nemo.hf_io import UnmappedWeightError
+    from nemo_anchor.nemo.models import AnchorHFLlamaImporter
 
     hf_dir = tiny_byte_llama(tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)

@@ -94,7 +94,7 @@ def test_shipped_smollm2_configs_match_the_model(smollm2_dir, config):
     """The demo's and the ablation's model sections are SmolLM2's shape, as import reads it from config.json."""
     from pathlib import Path
 
-    from nemo_anchor.export.hf_mapping import model_config_from_hf
+    from nemo_anchor.convert.hf_mapping import model_config_from_hf
 
     shipped = yaml.safe_load((Path(__file__).parents[1] / config).read_text())["model"]
     expected = vars(model_config_from_hf(transformers.AutoConfig.from_pretrained(smollm2_dir)))

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from nemo_anchor.cli import main as cli
-from nemo_anchor.export.sources import read_checkpoint
+from nemo_anchor.convert.sources import read_checkpoint
 from nemo_anchor.run_dir import RunDir, checkpoint_step, resolve_checkpoint
 from nemo_anchor.training.loop import EXIT_INTERRUPTED
 from nemo_anchor.training.config import load_config
@@ -191,9 +191,9 @@ def test_continued_pretraining_from_an_imported_hf_model(tmp_path, packed):
 
 
 def test_init_from_a_checkpoint_of_another_shape_names_the_tensor(tmp_path, packed):
-    from nemo_anchor.export.hf import init_model_from_hf
-    from nemo_anchor.export.megatron_state import build_model
-    from nemo_anchor.export.sources import read_model_config
+    from nemo_anchor.convert.megatron_state import build_model
+    from nemo_anchor.convert.sources import read_model_config
+    from nemo_anchor.training.init_from_hf import init_model_from_hf
 
     path, overrides = _config(tmp_path, packed, **{"trainer.max_steps": 1, "checkpoint.save_every": 0})
     assert _train(path, overrides) == 0

@@ -6,9 +6,9 @@
 - :mod:`nemo_anchor.bridge.recipes` and ``python -m nemo_anchor.bridge.pretrain``: Bridge's ``pretrain()``.
 
 Without CUDA, importing this package first installs the CPU shims Bridge needs
-(:mod:`nemo_anchor.parallel.bridge_cpu_shims`).
+(:mod:`nemo_anchor.bridge.cpu`).
 """
-from nemo_anchor.parallel.bridge_cpu_shims import install_import_shims, install_runtime_shims
+from nemo_anchor.bridge.cpu import install_import_shims, install_runtime_shims
 
 install_import_shims()
 try:

@@ -23,7 +23,7 @@ from nemo_anchor import gpu
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.gpt import transformer_config
 from nemo_anchor.model.spec import get_block_spec
-from nemo_anchor.nemo.mixin import AnchorConfigMixin, anchor_layer_spec
+from nemo_anchor.training.mixin import AnchorConfigMixin, anchor_layer_spec
 
 # fused kernels that only Transformer Engine / apex / CUDA provide
 _FUSIONS = ("apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion", "bias_activation_fusion",

@@ -2,7 +2,7 @@
 
 The forward step is the one our trainer runs (``nemo_anchor.training.forward``): the batch is
 sharded for context parallelism and moved to the device by the shared data step
-(:func:`nemo_anchor.nemo.mixin.anchor_data_step`), then one THD pack goes through the model; the loss contract (sum, tokens, reported pair) is Megatron's, which
+(:func:`nemo_anchor.training.mixin.anchor_data_step`), then one THD pack goes through the model; the loss contract (sum, tokens, reported pair) is Megatron's, which
 Bridge's loop reduces over the data x context-parallel group.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megatron.bridge.training.callbacks import Callback, CallbackContext
 from megatron.core.utils import get_model_config
 
-from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.nemo.mixin import anchor_data_step
+from nemo_anchor.convert.megatron_config import model_config_from_megatron
+from nemo_anchor.training.mixin import anchor_data_step
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import throughput
 from nemo_anchor.training.forward import megatron_forward_step
@@ -27,18 +27,6 @@ def anchor_forward_step(data_iterator, model):
     """Bridge's ``forward_step_func``: one micro-batch of packed windows (``(output, loss function)``)."""
     attention_type = get_model_config(model).anchor_attention_type
     return megatron_forward_step(iter([anchor_data_step(data_iterator, attention_type)]), model)
-
-
-def flops_model_config(provider) -> ModelConfig:
-    """Our ``model:`` section for the provider's shape, as :mod:`nemo_anchor.model.flops` counts it."""
-    recompute = {"selective": "selective", "full": "full"}.get(provider.recompute_granularity, "none")
-    return ModelConfig(
-        attention_type=provider.attention_type, num_layers=provider.num_layers, hidden_size=provider.hidden_size,
-        ffn_hidden_size=provider.ffn_hidden_size, num_attention_heads=provider.num_attention_heads,
-        num_query_groups=provider.num_query_groups or provider.num_attention_heads, head_dim=provider.kv_channels,
-        seq_length=provider.seq_length, recompute=recompute,
-        recompute_num_layers=provider.recompute_num_layers if recompute == "full" else None,
-        pipeline_model_parallel_size=provider.pipeline_model_parallel_size)
 
 
 class MetricsCallback(Callback):
@@ -55,7 +43,8 @@ class MetricsCallback(Callback):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         precision = "bf16" if cfg.model.bf16 else "fp32"
         self.peak, source = throughput.resolve_peak_tflops(self.peak_tflops, device, precision)
-        self.model_config = flops_model_config(cfg.model)
+        # FLOPs do not depend on the model family, which a provider's class does not name
+        self.model_config = model_config_from_megatron(cfg.model, default_architecture="llama")
         self.stream = cfg.dataset.stream(0)
         self.devices = dist.get_world_size()
         rank0 = dist.get_rank() == 0
@@ -76,11 +65,10 @@ class MetricsCallback(Callback):
         windows = [self.stream.window(i) for i in range((self.step - 1) * batch, self.step * batch)]
         flops = throughput.global_batch_flops(self.model_config, cfg.model.vocab_size, self.stream.dataset, windows)
         tokens = batch * cfg.model.seq_length
-        record = {"step": self.step, "loss": float(context.loss_dict["loss"]), "lr": self.lr,
-                  "grad_norm": None if context.grad_norm is None else float(context.grad_norm),
-                  "tokens": tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-                  **throughput.rates(flops, elapsed, self.devices, self.peak)}
-        self.logger.log_step(record)
+        values = {"loss": float(context.loss_dict["loss"]), "lr": self.lr,
+                  "grad_norm": None if context.grad_norm is None else float(context.grad_norm), "tokens": tokens}
+        self.logger.log_train_step(self.step, values, seconds=elapsed, flops=flops, devices=self.devices,
+                                   peak_tflops=self.peak)
 
     def on_train_end(self, context: CallbackContext) -> None:
         if self.logger is not None:

@@ -66,7 +66,7 @@ def _check_hf_weights(path: Path) -> None:
     (safetensors headers) with the config before transformers builds anything."""
     from transformers import AutoConfig
 
-    from nemo_anchor.export.hf_mapping import check_hf_weights, model_config_from_hf
+    from nemo_anchor.convert.hf_mapping import check_hf_weights, model_config_from_hf
 
     try:
         config = model_config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True))

@@ -7,8 +7,6 @@
   plain causal attention.
 - :func:`import_hf`: a local HF Llama/Mistral/Qwen2 directory -> a starting checkpoint in the
   training layout (``config.yaml``, ``tokenizer/``, ``checkpoints/iter_0000000``).
-- :func:`init_model_from_hf`: copy an HF directory's weights into a built Megatron model
-  (``model.init_from_hf`` in the training config).
 
 Outputs are staged in a temporary directory and renamed when complete.
 """
@@ -22,15 +20,10 @@ from pathlib import Path
 import torch
 
 from nemo_anchor.atomic import atomic_directory
-from nemo_anchor.export.hf_mapping import HF_CLASSES, check_hf_weights, megatron_to_hf_state, to_hf_config
-from nemo_anchor.export.megatron_state import build_model, load_into_model
-from nemo_anchor.export.sources import LoadedCheckpoint, read_checkpoint
-from nemo_anchor.hf_dir import CONFIG_FILE, hf_weight_shapes, read_hf_tensors, require_hf_dir
-
-# Megatron TransformerConfig fields that fix every weight's shape: a mismatch is named before loading.
-_STRUCTURE = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("ffn_hidden_size", "ffn_hidden_size"),
-              ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
-              ("kv_channels", "kv_channels"), ("add_qkv_bias", "qkv_bias"))
+from nemo_anchor.convert.hf_mapping import HF_CLASSES, megatron_to_hf_state, to_hf_config
+from nemo_anchor.convert.megatron_state import build_model, load_into_model
+from nemo_anchor.convert.sources import LoadedCheckpoint, read_checkpoint
+from nemo_anchor.hf_dir import require_hf_dir
 
 
 def load_tokenizer(ckpt: LoadedCheckpoint):
@@ -105,45 +98,3 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrit
         if tokenizer is not None:
             tokenizer.save_pretrained(run.tokenizer)
     return Path(out_dir)
-
-
-def init_model_from_hf(model: torch.nn.Module, path: str | os.PathLike) -> None:
-    """Copy the weights of ``path`` into the Megatron ``model`` (``model.init_from_hf``): this rank's
-    tensor- and pipeline-parallel shard, read alone where the format allows.
-
-    ``path`` is a local HF directory (safetensors are read slice by slice), a nemo-anchor checkpoint
-    or ``import-hf`` output (``dist_checkpointing`` reads this rank's shards, full precision), or any
-    other checkpoint :func:`read_checkpoint` accepts (read whole). The layer structure must match;
-    RoPE base and window may differ, which is the point of continued long-context training.
-    """
-    from nemo_anchor.export.hf_slices import has_safetensors, sliced_state
-    from nemo_anchor.export.megatron_state import check_state
-    from nemo_anchor.export.sources import HF, NEMO_ANCHOR, checkpoint_kind, read_model_config
-
-    kind = checkpoint_kind(path)
-    if kind == HF and has_safetensors(path):
-        config, source = read_model_config(path)
-        _check_structure(model, config, source)
-        # every tensor of the files used, every one the config describes present: from the headers alone
-        check_hf_weights(hf_weight_shapes(path), config, config.vocab_size, source=str(path),
-                         config_source=str(Path(path) / CONFIG_FILE), read=lambda names: read_hf_tensors(path, names))
-        with sliced_state(path, config) as state:
-            check_state(state, config, state["embedding.word_embeddings.weight"].shape[0], source=str(path))
-            load_into_model(model, state, source=str(path))
-    elif kind == NEMO_ANCHOR:
-        from nemo_anchor.training.checkpoint import load_weights
-
-        config, source = read_model_config(path)
-        _check_structure(model, config, source)
-        load_weights(model, source)
-    else:
-        ckpt = read_checkpoint(path)
-        _check_structure(model, ckpt.config, ckpt.path)
-        load_into_model(model, ckpt.state, source=str(ckpt.path))
-
-
-def _check_structure(model: torch.nn.Module, config, source) -> None:
-    for ours, theirs in _STRUCTURE:
-        have, want = getattr(model.config, ours), getattr(config, theirs)
-        if have != want:
-            raise ValueError(f"{source}: {theirs}={want} but the model being trained has {ours}={have}")

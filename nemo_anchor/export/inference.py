@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from nemo_anchor.export.megatron_state import build_model, load_into_model
-from nemo_anchor.export.sources import HF, checkpoint_kind, find_tokenizer_dir, read_checkpoint
+from nemo_anchor.convert.megatron_state import build_model, load_into_model
+from nemo_anchor.convert.sources import HF, checkpoint_kind, find_tokenizer_dir, read_checkpoint
 from nemo_anchor.model.config import ModelConfig
 
 

@@ -2,7 +2,7 @@
 
 A plain ``llm.LlamaConfig`` has no ``attention_type``: NeMo refuses or drops the YAML key and
 trains full attention. These configs own the field through
-:class:`~nemo_anchor.nemo.mixin.AnchorConfigMixin` (layer spec, data and forward steps).
+:class:`~nemo_anchor.training.mixin.AnchorConfigMixin` (layer spec, data and forward steps).
 
 Presets follow the paper (Section 5.3, Table 1): Llama-2-7B, Llama-3-8B, Mistral-7B-v0.3 and
 Qwen-1.5-1.8B shapes, continued at a 128K window with RoPE base 1e7. Changing ``seq_length``
@@ -17,7 +17,7 @@ from nemo.collections import llm
 from nemo.collections.llm.gpt.model.llama import Llama31Config
 
 from nemo_anchor.nemo import cpu
-from nemo_anchor.nemo.mixin import AnchorConfigMixin
+from nemo_anchor.training.mixin import AnchorConfigMixin
 
 cpu.install()  # NeMo on a machine without CUDA; nothing on CUDA machines
 

@@ -1,7 +1,8 @@
 """Hugging Face import and export of the AnchorAttention NeMo models, strict about every weight.
 
-Registered on ``AnchorLlamaModel``, ``AnchorMistralModel`` and ``AnchorQwen2Model`` as their
-``hf`` connectors, so these use them::
+:class:`AnchorImporter` and :class:`AnchorExporter` make the ``hf`` connectors that
+``nemo_anchor.nemo.models`` registers on ``AnchorLlamaModel``, ``AnchorMistralModel`` and
+``AnchorQwen2Model``, so these use them::
 
     llm.import_ckpt(model=AnchorLlamaModel(AnchorLlamaConfig()), source="hf://DIR", output_path=OUT)
     llm.export_ckpt(path=OUT, target="hf", output_path=HF)
@@ -9,7 +10,7 @@ Registered on ``AnchorLlamaModel``, ``AnchorMistralModel`` and ``AnchorQwen2Mode
 
 They reuse NeMo's own connectors (weight mappings and q/k/v, gate/up transforms) and change three things:
 
-- the config: the Anchor config is built from the HF config by ``nemo_anchor.export.hf_mapping``
+- the config: the Anchor config is built from the HF config by ``nemo_anchor.convert.hf_mapping``
   (the project's reading of HF configs, with every RoPE scaling it supports: NTK folded into the
   base, YaRN, Llama 3.1's), and written back to HF by it on export;
 - the names: NeMo's mappings name Transformer Engine's fused layers
@@ -28,24 +29,13 @@ import re
 from typing import Iterable
 
 import torch
-from nemo.collections.llm.gpt.model.llama import HFLlamaExporter, HFLlamaImporter
-from nemo.collections.llm.gpt.model.mistral import HFMistralExporter, HFMistralImporter
-from nemo.collections.llm.gpt.model.qwen2 import HFQwen2Exporter, HFQwen2Importer
 from nemo.lightning import io
 from nemo.lightning.pytorch.utils import dtype_from_hf
 
-from nemo_anchor.export.hf_mapping import LLAMA3_ROPE, model_config_from_hf, to_hf_config
-from nemo_anchor.model.config import ModelConfig
+from nemo_anchor.convert.hf_mapping import LLAMA3_ROPE, model_config_from_hf, to_hf_config
+from nemo_anchor.convert.megatron_config import model_config_from_megatron
+from nemo_anchor.convert.megatron_state import TE_TO_LOCAL
 from nemo_anchor.nemo import config as anchor_config
-from nemo_anchor.nemo.models import AnchorLlamaModel, AnchorMistralModel, AnchorQwen2Model
-
-# Transformer Engine's fused names (NeMo's mappings) -> Megatron's local layer spec
-_TE_TO_LOCAL = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
 
 
 class UnmappedWeightError(ValueError):
@@ -96,35 +86,6 @@ def _largest_power_of_two_dividing(value: int, at_most: int) -> int:
     return base
 
 
-_ARCHITECTURES = ((anchor_config.AnchorQwen2Config, "qwen2"), (anchor_config.AnchorMistralConfig, "mistral"),
-                  (anchor_config.AnchorLlamaConfig, "llama"))
-
-
-def model_config_from_anchor(config) -> ModelConfig:
-    """The project's ``ModelConfig`` of an Anchor NeMo config (HF export, FLOP counts)."""
-    architecture = next(arch for family, arch in _ARCHITECTURES if isinstance(config, family))
-    heads = config.num_attention_heads
-    kv_channels = config.kv_channels or config.hidden_size // heads
-    scaling = {}
-    if isinstance(config, anchor_config.AnchorLlama31Config):
-        scaling = dict(rope_scaling="llama3", rope_scaling_factor=config.scale_factor,
-                       original_max_position_embeddings=config.old_context_len)
-    elif config.position_embedding_type == "yarn":
-        scaling = dict(rope_scaling="yarn", rope_scaling_factor=config.yarn_rotary_scaling_factor,
-                       original_max_position_embeddings=config.yarn_original_max_position_embeddings)
-    recompute = {"full": "full", "selective": "selective"}.get(config.recompute_granularity, "none")
-    return ModelConfig(
-        architecture=architecture, attention_type=config.attention_type, num_layers=config.num_layers,
-        hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=heads,
-        num_query_groups=config.num_query_groups or heads,
-        head_dim=None if kv_channels * heads == config.hidden_size else kv_channels,
-        vocab_size=config.vocab_size, seq_length=config.seq_length, rotary_base=str(float(config.rotary_base)),
-        norm_epsilon=config.layernorm_epsilon, init_method_std=config.init_method_std,
-        tie_embeddings=config.share_embeddings_and_output_weights, add_qkv_bias=config.add_qkv_bias,
-        recompute=recompute, recompute_num_layers=config.recompute_num_layers if recompute == "full" else None,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size, **scaling)
-
-
 # ---------------------------------------------------------------- strict weight mapping
 
 def _megatron_keys(module) -> list[str] | None:
@@ -135,7 +96,7 @@ def _megatron_keys(module) -> list[str] | None:
 
 
 def _to_local(key: str) -> str:
-    for te, local in _TE_TO_LOCAL.items():
+    for te, local in TE_TO_LOCAL.items():  # NeMo's mappings name TE's fused modules
         if key.endswith(te):
             return key[: -len(te)] + local
     return key
@@ -209,10 +170,10 @@ def _strict_transforms():
 
 # ---------------------------------------------------------------- connectors
 
-class _AnchorImporter:
+class AnchorImporter:
     """Mixed in before a NeMo HF importer: Anchor model and config, strict weights."""
 
-    MODEL_CLASS: type
+    MODEL_CLASS: type  # set where the importer is registered: nemo_anchor.nemo.models
     CONFIG_FAMILY: type
 
     def init(self):
@@ -227,14 +188,14 @@ class _AnchorImporter:
             return super().convert_state(source, target)
 
 
-class _AnchorExporter:
+class AnchorExporter:
     """Mixed in before a NeMo HF exporter: the HF config from the project's mapping, strict weights."""
 
     @property
     def config(self):
         source = io.load_context(str(self), subpath="model.config")
         tokenizer = getattr(self.tokenizer, "tokenizer", None)
-        return to_hf_config(model_config_from_anchor(source), source.vocab_size,
+        return to_hf_config(model_config_from_megatron(source), source.vocab_size,
                             bos_token_id=getattr(tokenizer, "bos_token_id", None),
                             eos_token_id=getattr(tokenizer, "eos_token_id", None),
                             pad_token_id=getattr(tokenizer, "pad_token_id", None),
@@ -243,33 +204,3 @@ class _AnchorExporter:
     def convert_state(self, source, target, *args, **kwargs):
         with _strict_transforms():
             return super().convert_state(source, target, *args, **kwargs)
-
-
-@io.model_importer(AnchorLlamaModel, "hf")
-class AnchorHFLlamaImporter(_AnchorImporter, HFLlamaImporter):
-    MODEL_CLASS, CONFIG_FAMILY = AnchorLlamaModel, anchor_config.AnchorLlamaConfig
-
-
-@io.model_importer(AnchorMistralModel, "hf")
-class AnchorHFMistralImporter(_AnchorImporter, HFMistralImporter):
-    MODEL_CLASS, CONFIG_FAMILY = AnchorMistralModel, anchor_config.AnchorMistralConfig
-
-
-@io.model_importer(AnchorQwen2Model, "hf")
-class AnchorHFQwen2Importer(_AnchorImporter, HFQwen2Importer):
-    MODEL_CLASS, CONFIG_FAMILY = AnchorQwen2Model, anchor_config.AnchorQwen2Config
-
-
-@io.model_exporter(AnchorLlamaModel, "hf")
-class AnchorHFLlamaExporter(_AnchorExporter, HFLlamaExporter):
-    pass
-
-
-@io.model_exporter(AnchorMistralModel, "hf")
-class AnchorHFMistralExporter(_AnchorExporter, HFMistralExporter):
-    pass
-
-
-@io.model_exporter(AnchorQwen2Model, "hf")
-class AnchorHFQwen2Exporter(_AnchorExporter, HFQwen2Exporter):
-    pass

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from nemo_anchor.nemo.hf_io import model_config_from_anchor
+from nemo_anchor.convert.megatron_config import model_config_from_megatron
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import throughput
 from nemo_anchor.training.metrics import MetricsLogger
@@ -41,7 +41,7 @@ class AnchorMetricsCallback(pl.Callback):
         config = pl_module.config
         precision = "bf16" if config.bf16 else "fp32"
         self._peak, _ = throughput.resolve_peak_tflops(self.peak_tflops, pl_module.device, precision)
-        self._model = model_config_from_anchor(config)
+        self._model = model_config_from_megatron(config)
         self._vocab_size = config.vocab_size or pl_module.tokenizer.vocab_size
         self._logger = MetricsLogger(RunDir(AppState().log_dir), total_steps=trainer.max_steps,
                                      start_step=trainer.global_step, enabled=trainer.is_global_zero, progress_bar=False)
@@ -58,10 +58,9 @@ class AnchorMetricsCallback(pl.Callback):
         flops = throughput.global_batch_flops(self._model, self._vocab_size, data.train_dataset, windows)
         tokens = global_batch * data.seq_length
         loss = trainer.callback_metrics["reduced_train_loss"]
-        self._logger.log_step({
-            "step": trainer.global_step, "loss": float(loss), "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "tokens": tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-            **throughput.rates(flops, elapsed, trainer.world_size, self._peak)})
+        self._logger.log_train_step(
+            trainer.global_step, {"loss": float(loss), "lr": trainer.optimizers[0].param_groups[0]["lr"], "tokens": tokens},
+            seconds=elapsed, flops=flops, devices=trainer.world_size, peak_tflops=self._peak)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._logger is not None:

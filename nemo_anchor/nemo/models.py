@@ -2,14 +2,19 @@
 
 ``AnchorLlamaModel``, ``AnchorMistralModel`` and ``AnchorQwen2Model`` are NeMo's ``LlamaModel``,
 ``MistralModel`` and ``Qwen2Model``; registering ``hf`` connectors on the subclasses
-(``nemo_anchor.nemo.hf_io``) makes ``llm.import_ckpt`` build an Anchor config, and makes both
+(below, built from ``nemo_anchor.nemo.hf_io``) makes ``llm.import_ckpt`` build an Anchor config, and makes both
 directions map every weight or fail naming it.
 """
 from typing import Optional
 
 from nemo.collections import llm
+from nemo.collections.llm.gpt.model.llama import HFLlamaExporter, HFLlamaImporter
+from nemo.collections.llm.gpt.model.mistral import HFMistralExporter, HFMistralImporter
+from nemo.collections.llm.gpt.model.qwen2 import HFQwen2Exporter, HFQwen2Importer
+from nemo.lightning import io
 
 from nemo_anchor.nemo.config import AnchorLlamaConfig, AnchorMistralConfig, AnchorQwen2Config
+from nemo_anchor.nemo.hf_io import AnchorExporter, AnchorImporter
 
 
 class AnchorLlamaModel(llm.LlamaModel):
@@ -43,4 +48,33 @@ def model_class_for(config_class: type) -> type:
     return next(model for base, model in MODEL_CLASSES.items() if issubclass(config_class, base))
 
 
-from nemo_anchor.nemo import hf_io  # noqa: E402,F401  registers the classes' hf importers and exporters
+# ---------------------------------------------------------------- hf importers and exporters
+
+@io.model_importer(AnchorLlamaModel, "hf")
+class AnchorHFLlamaImporter(AnchorImporter, HFLlamaImporter):
+    MODEL_CLASS, CONFIG_FAMILY = AnchorLlamaModel, AnchorLlamaConfig
+
+
+@io.model_importer(AnchorMistralModel, "hf")
+class AnchorHFMistralImporter(AnchorImporter, HFMistralImporter):
+    MODEL_CLASS, CONFIG_FAMILY = AnchorMistralModel, AnchorMistralConfig
+
+
+@io.model_importer(AnchorQwen2Model, "hf")
+class AnchorHFQwen2Importer(AnchorImporter, HFQwen2Importer):
+    MODEL_CLASS, CONFIG_FAMILY = AnchorQwen2Model, AnchorQwen2Config
+
+
+@io.model_exporter(AnchorLlamaModel, "hf")
+class AnchorHFLlamaExporter(AnchorExporter, HFLlamaExporter):
+    pass
+
+
+@io.model_exporter(AnchorMistralModel, "hf")
+class AnchorHFMistralExporter(AnchorExporter, HFMistralExporter):
+    pass
+
+
+@io.model_exporter(AnchorQwen2Model, "hf")
+class AnchorHFQwen2Exporter(AnchorExporter, HFQwen2Exporter):
+    pass

@@ -33,6 +33,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from nemo_anchor.atomic import atomic_file, write_faults_named
+from nemo_anchor.convert.megatron_state import MASTER_PREFIX
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import optimizer_state
 
@@ -335,7 +336,7 @@ def load_weights(gpt: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
     for name, value in sharded.items():
         if not isinstance(value, (ShardedTensor, ShardedTensorFactory)):
             continue
-        master = f"{optimizer_state.MASTER_PREFIX}{value.key}"
+        master = f"{MASTER_PREFIX}{value.key}"
         if master in stored:
             sharded[name] = value = replace(value, key=master)
         _check_global_shapes(value, stored, ckpt_dir)

@@ -110,7 +110,7 @@ def _vocab_size(config) -> int:
     if config.model.vocab_size:
         return config.model.vocab_size
     from nemo_anchor.data import PackedDataset
-    from nemo_anchor.training.loop import padded_vocab_size
+    from nemo_anchor.model.config import padded_vocab_size
 
     try:
         tokenizer_vocab = PackedDataset(config.data.path).tokenizer.vocab_size

@@ -1,7 +1,7 @@
 """The forward step of one micro-batch of packed windows: ONE definition for both trainers.
 
 ``nemo-anchor train`` (``nemo_anchor.training.engine``, through Megatron's
-``get_forward_backward_func``) and NeMo's ``llm.pretrain`` (``nemo_anchor.nemo.mixin``, through
+``get_forward_backward_func``) and NeMo's ``llm.pretrain`` (``nemo_anchor.training.mixin``, through
 the config's ``forward_step_fn``) run a micro-batch through :func:`forward_step`, so the two can
 only differ in how they reduce the per-token loss, never in what the model sees. Nothing here
 imports NeMo.

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from nemo_anchor.atomic import OutputError, atomic_file, check_not_an_input, write_faults_named, written_by
 from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
+from nemo_anchor.model.config import padded_vocab_size
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, checkpoint_step, read_run_config
@@ -250,7 +251,7 @@ class Trainer:
             return None
 
         def initialize(gpt: torch.nn.Module) -> None:
-            from nemo_anchor.export.hf import init_model_from_hf
+            from nemo_anchor.training.init_from_hf import init_model_from_hf
 
             init_model_from_hf(gpt, source)
 
@@ -346,9 +347,8 @@ class Trainer:
                 first_step = tokens_seen == 0
                 tokens_seen += last["tokens"]
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    logger.log_step({"step": self.step, **last, "tokens_per_s": last["tokens"] / elapsed,
-                                     "step_time_s": elapsed,
-                                     **throughput.rates(flops, elapsed, self.ctx.world_size, self.peak_tflops)})
+                    logger.log_train_step(self.step, last, seconds=elapsed, flops=flops, devices=self.ctx.world_size,
+                                          peak_tflops=self.peak_tflops)
                 if first_step:  # Adam's state exists from the first step on
                     logger.log_memory(self.step, self._state_bytes_per_rank())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
@@ -409,15 +409,6 @@ def _saved_data_fingerprint(checkpoint: Path) -> str | None:
 
     common = dist_checkpointing.load_common_state_dict(str(checkpoint)) or {}
     return common.get("train", {}).get("data")
-
-
-def padded_vocab_size(tokenizer_vocab: int, tensor_parallel_size: int) -> int:
-    """The tokenizer's vocabulary, padded as Megatron-LM pads it (to a multiple of 128 x tensor-parallel
-    size) only when the tensor-parallel split of the embedding and logits needs it."""
-    if tokenizer_vocab % tensor_parallel_size == 0:
-        return tokenizer_vocab
-    multiple = 128 * tensor_parallel_size
-    return -(-tokenizer_vocab // multiple) * multiple
 
 
 def train(config: RunConfig) -> TrainSummary:

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from nemo_anchor.atomic import atomic_file
 from nemo_anchor.run_dir import RunDir
+from nemo_anchor.training import throughput
 
 
 def _drop_rows_after(path: os.PathLike, step: int) -> None:
@@ -41,6 +42,13 @@ class MetricsLogger:
         self._tb = SummaryWriter(log_dir=str(run.tensorboard), purge_step=start_step + 1)
         if progress_bar:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log_train_step(self, step: int, values: dict, *, seconds: float, flops: float, devices: int,
+                       peak_tflops: float) -> None:
+        """One optimizer step's row, the same fields from ``nemo-anchor train``, NeMo and Bridge: ``values``
+        (``loss``, ``lr``, ``tokens`` ...), then tokens/s, the step time, TFLOP/s per device and MFU."""
+        self.log_step({"step": step, **values, "tokens_per_s": values["tokens"] / seconds, "step_time_s": seconds,
+                       **throughput.rates(flops, seconds, devices, peak_tflops)})
 
     def log_step(self, record: dict) -> None:
         if not self.enabled:

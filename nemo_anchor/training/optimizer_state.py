@@ -25,10 +25,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-STATE_PREFIX = "optimizer.state"
-# Megatron's name for the fp32 master of a bf16 parameter (Float16OptimizerWithFloat16Params)
-MAIN_PARAM = "fp32_param"
-MASTER_PREFIX = f"{STATE_PREFIX}.{MAIN_PARAM}."  # + a model key: the fp32 master of that bf16 parameter
+from nemo_anchor.convert.megatron_state import MAIN_PARAM, STATE_PREFIX
 
 
 def optimizers(optimizer) -> list:

@@ -23,14 +23,23 @@ from typing import Mapping
 
 import torch
 
-from nemo_anchor.export.weight_match import config_key_explainer, match_weights
+from nemo_anchor.convert.weight_match import config_key_explainer, match_weights
 from nemo_anchor.model.config import ModelConfig
 
-_TE_TO_LOCAL = {
+# Megatron's optimizer-state keys in model space (written by nemo_anchor.training.optimizer_state)
+STATE_PREFIX = "optimizer.state"
+# Megatron's name for the fp32 master of a bf16 parameter (Float16OptimizerWithFloat16Params)
+MAIN_PARAM = "fp32_param"
+MASTER_PREFIX = f"{STATE_PREFIX}.{MAIN_PARAM}."  # + a model key: the fp32 master of that bf16 parameter
+
+# A layer's names under Transformer Engine's fused modules (our checkpoints, NeMo's and Bridge's mappings)
+# -> Megatron's local layer spec: THE name table; the HF conversion and NeMo's connectors both read it.
+TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-_LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
 _STACKED_LAYER_KEY = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -58,7 +67,7 @@ def _local_name(key: str) -> str:
     if layer is None:
         return key
     index, rest = layer.groups()
-    return f"decoder.layers.{index}.{_TE_TO_LOCAL.get(rest, rest)}"
+    return f"decoder.layers.{index}.{TE_TO_LOCAL.get(rest, rest)}"
 
 
 def expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
@@ -83,7 +92,7 @@ def expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, .
 
 def check_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int, *, source: str) -> None:
     """ValueError naming the first mismatched, missing or unused tensor of a canonical state
-    (:func:`~nemo_anchor.export.weight_match.match_weights`), with both shapes and the config key."""
+    (:func:`~nemo_anchor.convert.weight_match.match_weights`), with both shapes and the config key."""
     found = {key: tuple(value.shape) for key, value in state.items()}
     if cfg.tie_embeddings:
         found.pop("output_layer.weight", None)  # some writers keep the tied copy

@@ -25,8 +25,8 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from nemo_anchor.compat import hf_rope, hf_rope_fields
-from nemo_anchor.export.megatron_state import fuse_qkv, split_qkv
-from nemo_anchor.export.weight_match import config_key_explainer, match_weights
+from nemo_anchor.convert.megatron_state import fuse_qkv, split_qkv
+from nemo_anchor.convert.weight_match import config_key_explainer, match_weights
 from nemo_anchor.model.config import LLAMA3_ROPE, ModelConfig
 
 # HF rope_scaling keys we read, per rope_type, with the values Megatron-Core implements (None: any value)
@@ -243,7 +243,7 @@ _HF_IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved; reco
 
 def hf_expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the HF ``state_dict`` of ``cfg`` with its shape (``lm_head.weight`` included)."""
-    from nemo_anchor.export.megatron_state import expected_shapes
+    from nemo_anchor.convert.megatron_state import expected_shapes
 
     meta = {name: torch.empty(shape, device="meta") for name, shape in expected_shapes(cfg, vocab_size).items()}
     if cfg.architecture == "qwen2" and not cfg.qkv_bias:
@@ -254,7 +254,7 @@ def hf_expected_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int
 
 
 def hf_config_key(cfg: ModelConfig, vocab_size: int, source: str = "config.json") -> Callable:
-    """``explain(name, axis)`` for :func:`~nemo_anchor.export.weight_match.match_weights`: the config.json
+    """``explain(name, axis)`` for :func:`~nemo_anchor.convert.weight_match.match_weights`: the config.json
     key (and its value) that decides tensor ``name`` along ``axis`` (None: whether it exists)."""
     values = {"vocab_size": vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
               "num_attention_heads x head_dim": f"{cfg.num_attention_heads} x {cfg.kv_channels}",

@@ -23,8 +23,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nemo_anchor.export.hf_mapping import check_hf_weights, hf_to_megatron_state, model_config_from_hf
-from nemo_anchor.export.megatron_state import canonical_state, check_state
+from nemo_anchor.convert.hf_mapping import check_hf_weights, hf_to_megatron_state, model_config_from_hf
+from nemo_anchor.convert.megatron_config import model_config_from_megatron
+from nemo_anchor.convert.megatron_state import MASTER_PREFIX, canonical_state, check_state
 from nemo_anchor.hf_dir import CONFIG_FILE, is_hf_dir, read_hf_tensors
 from nemo_anchor.model.config import ModelConfig
 
@@ -33,9 +34,6 @@ NEMO2 = "nemo2"
 NEMO_ANCHOR = "nemo-anchor"
 
 # NeMo 2 config class name (its ``_target_``) -> our architecture; checked in order
-_NEMO_ARCHITECTURES = (("Qwen2", "qwen2"), ("Mistral", "mistral"), ("Llama", "llama"))
-# NeMo config classes with Llama 3.x RoPE scaling (their factors are class defaults, absent from model.yaml)
-_NEMO_SCALED_ROPE = ("Llama31", "Llama32")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -47,7 +45,7 @@ class LoadedCheckpoint:
     kind: str  # HF | NEMO2 | NEMO_ANCHOR
     config: ModelConfig
     vocab_size: int  # rows of the embedding (NeMo pads the tokenizer's vocabulary)
-    state: dict[str, torch.Tensor]  # see nemo_anchor.export.megatron_state
+    state: dict[str, torch.Tensor]  # see nemo_anchor.convert.megatron_state
     tokenizer_dir: Optional[Path]  # HF tokenizer files, when the checkpoint has them
 
 
@@ -119,7 +117,9 @@ def _read_nemo2(path: Path) -> LoadedCheckpoint:
         nemo = yaml.safe_load(model_yaml.read_text()) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"{model_yaml}: corrupt YAML: {err}") from None
-    config = _model_config_from_nemo2(nemo.get("config"), model_yaml)
+    if not isinstance(nemo.get("config"), dict):
+        raise ValueError(f"{model_yaml}: no 'config' section")
+    config = model_config_from_megatron(nemo["config"], source=str(model_yaml))
     tensors = read_dist_checkpoint(path / "weights", prefix="module.")
     state = canonical_state(tensors, config.num_layers, source=str(path / "weights"))
     return _checked(path, NEMO2, config, state, _nemo2_tokenizer_dir(path / "context", nemo.get("tokenizer")))
@@ -137,7 +137,6 @@ def _nemo2_tokenizer_dir(context: Path, tokenizer: Optional[dict]) -> Optional[P
 
 def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
     from nemo_anchor.run_dir import resolve_checkpoint, run_dir_of
-    from nemo_anchor.training.optimizer_state import MASTER_PREFIX
 
     ckpt_dir = resolve_checkpoint(path)
     config = _nemo_anchor_config(ckpt_dir)
@@ -201,53 +200,3 @@ def read_dist_checkpoint(ckpt_dir: Path, *, prefix: str, required: bool = True) 
         raise ValueError(f"{ckpt_dir}: corrupt or unreadable checkpoint ({type(err).__name__}: {err})") from None
     # `load` merges the checkpoint's common (non-sharded) state in: optimizer, sampler, RNG
     return {key[len(prefix):]: tensor for key, tensor in loaded.items() if key.startswith(prefix)}
-
-
-def _model_config_from_nemo2(nemo: Optional[dict], model_yaml: Path) -> ModelConfig:
-    """Our ``model:`` section from the ``config:`` entry of a NeMo 2 ``context/model.yaml``."""
-    if not isinstance(nemo, dict):
-        raise ValueError(f"{model_yaml}: no 'config' section")
-
-    def need(key, expected):
-        value = nemo.get(key)
-        if isinstance(value, dict):  # callables are serialised as {_target_: module.function, ...}
-            value = str(value.get("_target_", "")).rsplit(".", 1)[-1]
-        if value != expected:
-            raise ValueError(f"{model_yaml}: config.{key}={value!r} is not supported (expected {expected!r})")
-
-    target = str(nemo.get("_target_", ""))
-    class_name = target.rsplit(".", 1)[-1]
-    architecture = next((arch for marker, arch in _NEMO_ARCHITECTURES if marker in class_name), None)
-    if architecture is None:
-        raise ValueError(f"{model_yaml}: unknown architecture {target!r}; supported: NeMo Llama, Mistral and "
-                         f"Qwen2 configs and nemo_anchor.nemo's")
-    if any(marker in class_name for marker in _NEMO_SCALED_ROPE):
-        raise ValueError(f"{model_yaml}: config._target_={target!r} is not supported: its Llama 3.1/3.2 RoPE scaling "
-                         f"is not read from NeMo configs; export it to Hugging Face with NeMo and import that")
-    need("normalization", "RMSNorm")
-    need("gated_linear_unit", True)
-    need("activation_func", "silu")
-    need("position_embedding_type", "rope")
-    try:
-        heads = nemo["num_attention_heads"]
-        kv_channels = nemo.get("kv_channels")
-        return ModelConfig(
-            architecture=architecture,
-            attention_type=nemo.get("attention_type", "anchor"),
-            num_layers=nemo["num_layers"],
-            hidden_size=nemo["hidden_size"],
-            ffn_hidden_size=nemo["ffn_hidden_size"],
-            num_attention_heads=heads,
-            num_query_groups=nemo.get("num_query_groups") or heads,
-            head_dim=None if kv_channels in (None, nemo["hidden_size"] // heads) else kv_channels,
-            seq_length=nemo.get("seq_length", 4096),
-            rotary_base=str(float(nemo.get("rotary_base", 10000))),
-            norm_epsilon=nemo.get("layernorm_epsilon", 1e-5),
-            tie_embeddings=bool(nemo.get("share_embeddings_and_output_weights", False)),
-            add_qkv_bias=bool(nemo.get("add_qkv_bias", False)),
-            rope_in_fp32=bool(nemo.get("rope_in_fp32", False)),
-        )
-    except KeyError as err:
-        raise ValueError(f"{model_yaml}: config.{err.args[0]} is missing") from None
-    except ValueError as err:
-        raise ValueError(f"{model_yaml}: {err}") from None

@@ -2,13 +2,13 @@
 
 ``model.init_from_hf`` on a multi-GPU run must not load the whole model on every process: each
 rank needs only its tensor- and pipeline-parallel shard. :func:`sliced_state` returns the
-canonical state (:mod:`nemo_anchor.export.megatron_state`) as lazy tensors whose ``[rows, cols]``
+canonical state (:mod:`nemo_anchor.convert.megatron_state`) as lazy tensors whose ``[rows, cols]``
 indexing reads just those rows and columns from the files (``safe_open(...).get_slice``), so
-:func:`~nemo_anchor.export.megatron_state.load_into_model` copies each rank's slice without the
+:func:`~nemo_anchor.convert.megatron_state.load_into_model` copies each rank's slice without the
 rest ever being read.
 
 Which HF rows make up each canonical tensor (the QKV interleaving per query group, gate and up
-stacked in ``linear_fc1``) is not restated here: :func:`~nemo_anchor.export.hf_mapping.hf_to_megatron_state`
+stacked in ``linear_fc1``) is not restated here: :func:`~nemo_anchor.convert.hf_mapping.hf_to_megatron_state`
 is run on *row numbers* instead of weights, and its output says, row by row, where to read.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_anchor.export.hf_mapping import hf_to_megatron_state
+from nemo_anchor.convert.hf_mapping import hf_to_megatron_state
 from nemo_anchor.model.config import ModelConfig
 
 
