@@ -73,7 +73,8 @@ def _save_checkpoints_synchronously(strategy_class) -> None:
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        kwargs["ckpt_async_save"] = False  # the async path needs CUDA and tensorstore
+        if on_cpu():
+            kwargs["ckpt_async_save"] = False  # the async path needs CUDA and tensorstore
         original(self, *args, **kwargs)
 
     strategy_class.__init__ = __init__
