@@ -139,6 +139,12 @@ strategy = megatron_strategy.MegatronStrategy
 for name in ("__init__", "optimizer_sharded_state_dict", "load_optimizer_state_dict"):
     assert not hasattr(getattr(strategy, name), "__wrapped__"), name
 assert pl._fix_tensors_device is fix_tensors_device
+# the one adapter that stays is a version matter: NeMo 2.7.3's call against this megatron-core's signature
+import inspect
+from nemo.lightning.pytorch.optim import megatron as nemo_optim
+from nemo_anchor.nemo import compat
+mismatch = "no_weight_decay_cond" not in inspect.signature(get_megatron_optimizer).parameters
+assert compat.install() == mismatch == getattr(nemo_optim.setup_megatron_optimizer, "_anchor_adapted", False)
 print("untouched")
 '''
 
