@@ -47,8 +47,8 @@ def resolve_model_config(config) -> None:
     """
     allowed = rope_fusion_allowed(config)
     if config.apply_rope_fusion and not allowed:
-        raise ValueError("apply_rope_fusion=True: Transformer Engine's fused RoPE drops YaRN's attention scaling and "
-                         "rotates in the input's dtype (rope_in_fp32); leave it unset")
+        raise ValueError("apply_rope_fusion=True with YaRN or rope_in_fp32: Megatron's fused THD RoPE drops YaRN's "
+                         "attention scaling, and rope_in_fp32 asks for the unfused fp32 rotation; leave it unset")
     for name, value in fusions(rope_allowed=allowed).items():
         if getattr(config, name) is None:
             setattr(config, name, value)

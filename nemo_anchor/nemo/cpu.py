@@ -10,7 +10,7 @@ wraps the few NeMo functions that cannot run on the CPU, each with the narrowest
 - ``nemo/lightning/pytorch/strategies/megatron_strategy.py:801-888`` and
   ``nemo/lightning/pytorch/plugins/data_sampler.py:192,212`` log step values through
   ``torch.tensor(x, pin_memory=True).to("cuda")``;
-- ``ckpt_async_save=True`` (``megatron_strategy.py:289``, the recipes' default) writes through
+- ``ckpt_async_save=True`` (``megatron_strategy.py:289``, NeMo's default and the recipes' with CUDA) writes through
   NeMo's async checkpoint queue and tensorstore: saves are synchronous on the CPU;
 - ``nemo/lightning/io/pl.py:495`` (``_fix_tensors_device``) asserts CUDA is initialised when a
   checkpoint is restored: loaded tensors stay on the CPU.
