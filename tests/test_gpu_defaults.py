@@ -48,6 +48,8 @@ def test_gpu_run_gets_megatron_lms_fusions_and_overlaps(gpu_stack):
         model, ddp = megatron_configs(_run_config(), CUDA)
     assert isinstance(model, TransformerConfig) and isinstance(ddp, DistributedDataParallelConfig)
     assert model.gradient_accumulation_fusion and model.apply_rope_fusion
+    # Megatron-LM's Llama recipes: fused cross-entropy, bias-SwiGLU and persistent layer norm
+    assert model.cross_entropy_loss_fusion and model.bias_activation_fusion and model.persist_layer_norm
     assert ddp.overlap_grad_reduce and ddp.overlap_param_gather and ddp.use_distributed_optimizer
     assert ddp.grad_reduce_in_fp32 and not ddp.average_in_collective  # a sum, divided by the loss tokens
 
@@ -59,6 +61,7 @@ def test_exactness_options_keep_the_unfused_paths(gpu_stack):
         _, replicated = megatron_configs(_run_config("trainer.distributed_optimizer=false"), CUDA)
     assert not fp32_rope.apply_rope_fusion and fp32_rope.gradient_accumulation_fusion
     assert not yarn.apply_rope_fusion  # Megatron's fused THD RoPE drops YaRN's mscale
+    assert fp32_rope.cross_entropy_loss_fusion and yarn.cross_entropy_loss_fusion and yarn.bias_activation_fusion
     assert replicated.overlap_grad_reduce and not replicated.overlap_param_gather
 
 
@@ -75,6 +78,7 @@ def test_without_apex_or_cuda_nothing_is_fused(gpu_stack, monkeypatch):
 def test_this_machine_builds_the_cpu_configs():
     model, ddp = megatron_configs(_run_config(), torch.device("cpu"))
     assert not (model.gradient_accumulation_fusion or model.apply_rope_fusion)
+    assert not (model.cross_entropy_loss_fusion or model.bias_activation_fusion or model.persist_layer_norm)
     assert not (ddp.overlap_grad_reduce or ddp.overlap_param_gather)
 
 

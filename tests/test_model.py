@@ -268,3 +268,71 @@ def test_plain_packed_seq_params_make_every_segment_its_own_window():
                   labels=batch["labels"])
     torch.testing.assert_close(model(**inputs, packed_seq_params=plain),
                                model(**inputs, packed_seq_params=make_packed_seq_params(segments, segments, "anchor")))
+
+
+@pytest.mark.parametrize("variant", [{}, {"rope_in_fp32": True},
+                                     {"rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+                                      "original_max_position_embeddings": 16}], ids=["rope", "rope_in_fp32", "yarn"])
+def test_the_forward_step_reads_nothing_back_from_the_device(monkeypatch, variant):
+    """Once ``batch_for_this_rank`` has built the layout from the host copy of the boundaries, forward
+    and backward of a micro-batch (full recompute: the forward runs twice) call no ``.item()`` or
+    ``.tolist()``: each is a device-to-host sync on a GPU, per layer for Megatron's unfused THD RoPE."""
+    from nemo_anchor.parallel.context_parallel import batch_for_this_rank
+
+    model = _model(_cfg(num_layers=2, recompute="full", **variant))
+    batch = batch_for_this_rank(_batch([0, 5, 20, 32, 40, 64], windows=2), "anchor", torch.device("cpu"))
+    expected = packed_forward(model, batch)
+
+    def host_sync(self, *args, **kwargs):
+        raise AssertionError("a device-to-host read in the forward step")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "item", host_sync)
+        patch.setattr(torch.Tensor, "tolist", host_sync)
+        loss = packed_forward(model, batch)
+        loss.sum().backward()
+    torch.testing.assert_close(loss, expected)
+
+
+class _ContextParallelRank:
+    """What Megatron's THD RoPE reads of a context-parallel group."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("variant", [{}, {"rope_in_fp32": True},
+                                     {"rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+                                      "original_max_position_embeddings": 16}], ids=["rope", "rope_in_fp32", "yarn"])
+def test_per_token_rope_rotates_as_megatrons_thd_rope(variant, cp_size):
+    """The attention's RoPE (per token, positions from the host layout) equals Megatron's own unfused THD
+    RoPE on every context-parallel rank, YaRN's attention scaling and the fp32 rotation included."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+
+    cfg = _cfg(**variant)
+    model = _model(cfg)
+    cu_seqlens = torch.tensor([0, 8, 20, 32, 36, 64], dtype=torch.int32)
+    cu_windows = torch.tensor([0, 32, 64], dtype=torch.int32)
+    mscale = _yarn_get_concentration_factor_from_config(model.config)
+    assert (mscale != 1.0) == ("rope_scaling" in variant)
+    for rank in range(cp_size):
+        group = _ContextParallelRank(cp_size, rank)
+        params = make_packed_seq_params(cu_seqlens, cu_windows, "anchor", group if cp_size > 1 else None)
+        emb = model.rotary_pos_emb(params.max_seqlen_q, packed_seq=True)
+        freqs = emb[0] if isinstance(emb, tuple) else emb
+        x = torch.randn(64 // cp_size, 4, 16).bfloat16()
+        ours = attention.apply_rotary_pos_emb(x, freqs, model.config, cu_seqlens=params.cu_seqlens_q, mscale=mscale,
+                                              cp_group=group)
+        source = x.float() if variant.get("rope_in_fp32") else x
+        megatrons = rope_utils.apply_rotary_pos_emb(source, freqs, model.config, cu_seqlens=cu_windows.clone(),
+                                                    mscale=mscale, cp_group=group).to(x.dtype)
+        torch.testing.assert_close(ours, megatrons, atol=0, rtol=0)

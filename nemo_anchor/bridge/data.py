@@ -14,28 +14,7 @@ from dataclasses import dataclass
 
 from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 
-from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows
-
-
-class WindowStream:
-    """Sample ``i`` = window ``i`` of the sampler's stream; ``length`` samples."""
-
-    def __init__(self, dataset: PackedDataset, sampler: WindowSampler, length: int):
-        self.dataset, self.sampler, self.length = dataset, sampler, length
-
-    def window(self, index: int) -> int:
-        epoch, position = divmod(index, self.sampler.num_windows)
-        return int(self.sampler.epoch_windows(epoch)[position])
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict:
-        return self.dataset[self.window(index)]
-
-    @staticmethod
-    def collate_fn(items: list[dict]) -> dict:
-        return collate_windows(items)
+from nemo_anchor.data import DEFAULT_SEED, PackedDataset, WindowSampler, WindowStream
 
 
 @dataclass(kw_only=True)
@@ -44,7 +23,7 @@ class AnchorPackedDatasetProvider(DatasetProvider):
 
     path: str | None = None
     seq_length: int | None = None  # checked against the pack's windows; set from the model when None
-    seed: int = 1234
+    seed: int = DEFAULT_SEED
     shuffle: bool = True
     valid_path: str | None = None
     dataloader_type: str = "single"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from nemo_anchor import launch
 from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
 from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
     apply_overrides(config, args.overrides)
+    launch.resolve_bridge_config(config)  # this process's devices decide what the recipe left to them
     prepare(config)
     if not torch.cuda.is_available():
         # The writer's result queue is a multiprocessing Manager, started with "spawn" on a synchronous

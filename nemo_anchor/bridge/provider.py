@@ -3,23 +3,24 @@
 ``provider.provide()`` builds the Llama-shaped Megatron-Core ``GPTModel`` our trainer builds
 (:func:`nemo_anchor.model.gpt.build_gpt_model`): the same layer spec (``AnchorCoreAttention``;
 Transformer Engine's linear and norm modules where TE imports, Megatron's local ones elsewhere)
-and the same final norm. Without TE the fused kernels the flags below ask for do not exist, so
-they are turned off (each computes what its unfused path computes); without CUDA the weights
-are initialised on the CPU.
+and the same final norm. What the devices decide (Megatron's fusions, CPU initialisation) is left
+unset in the provider, so that a recipe prints the same wherever it is built, and decided in
+:meth:`~AnchorGPTModelProvider.finalize`, which Bridge's ``pretrain()`` calls in the training process
+(``nemo_anchor.launch``). Without TE the fused kernels do not exist, so they are turned off (each
+computes what its unfused path computes); without CUDA the weights are initialised on the CPU.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, ClassVar, Union
 
-import torch
 import torch.nn.functional as F
 from megatron.bridge.models.gpt_provider import GPTModelProvider
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nemo_anchor import gpu
+from nemo_anchor import gpu, launch
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.gpt import transformer_config
 from nemo_anchor.model.spec import get_block_spec
@@ -28,6 +29,9 @@ from nemo_anchor.training.mixin import AnchorConfigMixin, anchor_layer_spec
 # fused kernels that only Transformer Engine / apex / CUDA provide
 _FUSIONS = ("apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion", "bias_activation_fusion",
             "masked_softmax_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion")
+
+# left unset by the recipes (finalize() decides them): the building machine's values must not travel
+_DECIDED_AT_LAUNCH = (*launch.FUSIONS, "use_cpu_initialization")
 
 
 def anchor_block_spec(config: "AnchorGPTModelProvider", vp_stage: int | None = None):
@@ -50,14 +54,15 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
     # the loss is a sum over tokens divided by the global batch's token count, as in our trainer
     calculate_per_token_loss: bool = True
     transformer_layer_spec: Union[ModuleSpec, Callable] = anchor_block_spec
+    devices_decided_at_construction: ClassVar[bool] = False  # in finalize()
 
-    def __post_init__(self):
+    def finalize(self) -> None:
+        """Decide what this process's devices decide, then Bridge's (Megatron's deferred checks)."""
+        launch.resolve_model_config(self)
         if gpu.transformer_engine_pytorch()[0] is None:
             for flag in _FUSIONS:
                 setattr(self, flag, False)
-        if not torch.cuda.is_available():
-            self.use_cpu_initialization = True
-        super().__post_init__()
+        super().finalize()
 
     def provide_distributed_model(self, *args, use_cpu_initialization: bool | None = None, **kwargs):
         """Bridge's, keeping the config's ``use_cpu_initialization`` unless told otherwise.
@@ -74,7 +79,8 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
     def from_model_config(cls, cfg: ModelConfig, vocab_size: int, *, bf16: bool = False) -> "AnchorGPTModelProvider":
         """The provider of the model ``nemo-anchor train`` builds for our ``model:`` section ``cfg``."""
         ours = transformer_config(cfg, bf16=bf16)
-        fields = {f.name: getattr(ours, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+        fields = {f.name: getattr(ours, f.name) for f in dataclasses.fields(TransformerConfig)
+                  if f.init and f.name not in _DECIDED_AT_LAUNCH}
         yarn = {k: getattr(ours, k) for k in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
                                               "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
                                               "yarn_correction_range_round_to_int")} if cfg.rope_scaling == "yarn" else {}
@@ -100,5 +106,5 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
             raise ValueError(f"{type(provider).__name__} is not a plain GPTModelProvider: AnchorAttention supports "
                              f"Llama-shaped dense GPTs (Llama, Mistral, Qwen2, SmolLM2)")
         fields = {f.name: getattr(provider, f.name) for f in dataclasses.fields(GPTModelProvider)
-                  if f.init and f.name != "transformer_layer_spec"}
+                  if f.init and f.name != "transformer_layer_spec" and f.name not in _DECIDED_AT_LAUNCH}
         return cls(**fields, attention_type=attention_type)

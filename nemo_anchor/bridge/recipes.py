@@ -22,8 +22,8 @@ from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, 
                                              OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,
                                              TrainingConfig, ValidationConfig)
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import distrib_optimizer
 
+from nemo_anchor import launch
 from nemo_anchor.bridge.data import AnchorPackedDatasetProvider
 from nemo_anchor.bridge.provider import AnchorGPTModelProvider
 from nemo_anchor.model.config import ModelConfig
@@ -35,12 +35,17 @@ LLAMA3_ORIGINAL_WINDOW = 8192
 
 
 def from_run_config(run: RunConfig, vocab_size: int | None = None) -> ConfigContainer:
-    """Bridge's configuration of the run ``nemo-anchor train`` would make of ``run``."""
+    """Bridge's configuration of the run ``nemo-anchor train`` would make of ``run``.
+
+    What the devices decide is left to the training process (``nemo_anchor.launch.resolve_bridge_config``,
+    which ``nemo_anchor.bridge.pretrain`` runs): the process-group backend, the DDP overlaps, async
+    saves, the model's fusions and CPU initialisation, and with ``trainer.precision="auto"`` (this
+    module's recipes only) bf16 on GPUs and fp32 on the CPU.
+    """
     m, t, o = run.model, run.trainer, run.optim
     bf16 = t.precision == "bf16"
-    # megatron-core 0.19 cannot load a distributed-optimizer checkpoint into torch's Adam (no Apex or TE
-    # Adam, as on the CPU): it reads a common Adam step before the state exists (distrib_optimizer.py:839)
-    distributed_optimizer = t.distributed_optimizer and distrib_optimizer.HAVE_APEX_OR_TE
+    mixed_precision = launch.AUTO if t.precision == launch.AUTO else "bf16_mixed" if bf16 else None
+    distributed_optimizer = t.distributed_optimizer  # kept only where Apex or TE is (resolve_bridge_config)
     vocab_size = vocab_size or m.vocab_size
     return ConfigContainer(
         model=AnchorGPTModelProvider.from_model_config(m, vocab_size, bf16=bf16),
@@ -60,17 +65,16 @@ def from_run_config(run: RunConfig, vocab_size: int | None = None) -> ConfigCont
                                   # may be extended (train.train_iters=3, then 6)
                                   override_opt_param_scheduler=True),
         ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
-                                          overlap_grad_reduce=torch.cuda.is_available(),
-                                          overlap_param_gather=torch.cuda.is_available() and distributed_optimizer),
+                                          overlap_grad_reduce=None, overlap_param_gather=None),
         dataset=AnchorPackedDatasetProvider(path=None if run.data.path == "???" else run.data.path,
                                             valid_path=run.data.valid_path, seed=t.seed, shuffle=run.data.shuffle),
         logger=LoggerConfig(log_interval=t.log_every),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=vocab_size),
         checkpoint=CheckpointConfig(save=None, save_interval=run.checkpoint.save_every or t.max_steps,
-                                    most_recent_k=run.checkpoint.keep_last, ckpt_format="torch_dist"),
+                                    most_recent_k=run.checkpoint.keep_last, ckpt_format="torch_dist", async_save=None),
         rng=RNGConfig(seed=t.seed),
-        dist=DistributedInitConfig(distributed_backend="nccl" if torch.cuda.is_available() else "gloo"),
-        mixed_precision="bf16_mixed" if bf16 else None,
+        dist=DistributedInitConfig(distributed_backend=launch.AUTO),
+        mixed_precision=mixed_precision,
     )
 
 
@@ -85,13 +89,12 @@ def _paper(path: Path) -> Callable[[], ConfigContainer]:
 def anchor_smollm2_135m() -> ConfigContainer:
     """SmolLM2-135M (Llama-shaped: 30 layers, hidden 576, 9 query / 3 KV heads, tied embeddings, vocabulary
     49152, RoPE base 1e5) continued at 4096 tokens, as ``configs/ablation/smollm2.yaml``: bf16 on a GPU, fp32
-    on a CPU. Start from ``checkpoint.pretrained_checkpoint=<import_hf of prepare_smollm2()>``."""
+    on a CPU (decided where it trains). Start from ``checkpoint.pretrained_checkpoint=<import_hf of prepare_smollm2()>``."""
     model = ModelConfig(architecture="llama", num_layers=30, hidden_size=576, ffn_hidden_size=1536,
                         num_attention_heads=9, num_query_groups=3, tie_embeddings=True, vocab_size=49152,
                         seq_length=4096, rotary_base="100000")
-    precision = "bf16" if torch.cuda.is_available() else "fp32"
     run = RunConfig(model=model, trainer=TrainerConfig(max_steps=8, global_batch_size=1, micro_batch_size=1,
-                                                       precision=precision),
+                                                       precision=launch.AUTO),
                     optim=OptimConfig(lr=1e-4, min_lr=1e-4))
     return from_run_config(run)
 

@@ -6,14 +6,16 @@ what the loss mask masks and why, and the options of ``nemo-anchor pack``.
 from nemo_anchor.data.dataset import PackedDataset, collate_windows
 from nemo_anchor.data.nemo_format import read_nemo_packed, write_nemo_packed
 from nemo_anchor.data.pipeline import PackOptions, pack
-from nemo_anchor.data.sampler import WindowSampler, rank_microbatches
+from nemo_anchor.data.sampler import DEFAULT_SEED, WindowSampler, WindowStream, rank_microbatches
 from nemo_anchor.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe_tokenizer
 
 __all__ = [
+    "DEFAULT_SEED",
     "PackOptions",
     "PackedDataset",
     "Tokenizer",
     "WindowSampler",
+    "WindowStream",
     "rank_microbatches",
     "byte_tokenizer",
     "collate_windows",

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from nemo_anchor.data.dataset import collate_windows
+
+DEFAULT_SEED = 1234  # of the window order in every front door (nemo-anchor train's trainer.seed, NeMo, Bridge)
+
 
 class WindowSampler:
     """The windows of every global batch, for any number of data-parallel ranks.
@@ -60,6 +64,34 @@ class WindowSampler:
         if not isinstance(consumed, int) or consumed < 0:
             raise ValueError(f"sampler state has consumed={consumed!r}, expected a non-negative int")
         self.consumed = consumed
+
+
+class WindowStream:
+    """A map-style dataset whose sample ``i`` is window ``i`` of ``sampler``'s stream, ``length`` samples long.
+
+    For trainers that read a dataset by consecutive sample index, rank ``r`` of ``d`` taking
+    micro-batch ``m`` at ``[(m * d + r) * mb, ...)`` of each global batch (NeMo's
+    ``MegatronPretrainingSampler``, Megatron-Bridge's pretraining sampler): they then read the windows
+    ``nemo-anchor train`` reads, in the same micro-batches, and resume from their consumed-sample count.
+    """
+
+    def __init__(self, dataset, sampler: WindowSampler, length: int):
+        self.dataset, self.sampler, self.length = dataset, sampler, length
+
+    def window(self, index: int) -> int:
+        epoch, position = divmod(index, self.sampler.num_windows)
+        return int(self.sampler.epoch_windows(epoch)[position])
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict:
+        return self.dataset[self.window(index)]
+
+    @staticmethod
+    def collate_fn(items: list[dict]) -> dict:
+        """The batches of :func:`~nemo_anchor.data.collate_windows`, for loaders that ask the dataset (Bridge's)."""
+        return collate_windows(items)
 
 
 def rank_microbatches(global_batch: list[int], micro_batch_size: int, data_parallel_rank: int,

@@ -13,10 +13,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
-from nemo_anchor import gpu
+from nemo_anchor import launch
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.packed_seq import make_packed_seq_params
-from nemo_anchor.model.rope import install_rope_precision_hook
+from nemo_anchor.model.rope import install_rope_precision_hook, rope_fusion_allowed
 from nemo_anchor.model.spec import get_block_spec, get_layer_spec
 
 
@@ -53,16 +53,6 @@ def _recompute_settings(cfg: ModelConfig) -> dict:
     return {}
 
 
-def rope_fusion(cfg: ModelConfig) -> bool:
-    """Transformer Engine's fused RoPE where it computes what the unfused path does.
-
-    TE's kernel rotates in fp32 and rounds once; ``rope_in_fp32`` keeps Megatron's unfused fp32
-    rotation (the option the paper measures stays exact), and YaRN keeps it too: Megatron's fused
-    THD path drops YaRN's attention scaling (``mscale``).
-    """
-    return gpu.transformer_engine_kernels() and not cfg.rope_in_fp32 and cfg.rope_scaling != "yarn"
-
-
 def transformer_config(cfg: ModelConfig, *, bf16: bool = False,
                        gradient_accumulation_fusion: bool = False) -> AnchorTransformerConfig:
     """Megatron's config of the model; ``gradient_accumulation_fusion`` needs Megatron's DDP (its ``main_grad``)."""
@@ -88,11 +78,11 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
-        apply_rope_fusion=rope_fusion(cfg),
+        # Megatron-LM's Llama-recipe fusions where CUDA and TE are present, RoPE's where it is exact
+        **launch.fusions(rope_allowed=rope_fusion_allowed(cfg)),
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=gradient_accumulation_fusion,
-        persist_layer_norm=False,
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
         pipeline_model_parallel_size=pp,
@@ -145,14 +135,15 @@ def packed_forward(model: GPTModel, batch: dict, cp_group=None) -> torch.Tensor:
     """Run B packed windows as one THD sequence; returns the per-token loss ``[B, T]`` (fp32).
 
     ``batch`` is ``nemo_anchor.data.collate_windows`` output (tokens/labels/position_ids
-    ``[B, T]``, ``cu_seqlens``/``cu_windows`` int32 over the flattened tokens). With ``labels``
+    ``[B, T]``, ``cu_seqlens``/``cu_windows`` int32 over the flattened tokens, and their host
+    ``layout`` when ``batch_for_this_rank`` made the batch). With ``labels``
     absent, returns logits ``[B, T, V]`` instead. A pipeline stage before the last returns its hidden
     states unchanged.
     """
     tokens = batch["tokens"]
     b, t = tokens.shape
     params = make_packed_seq_params(batch["cu_seqlens"], batch["cu_windows"], model.config.anchor_attention_type,
-                                    cp_group)
+                                    cp_group, layout=batch.get("layout"))
     labels = batch.get("labels")
     out = model(
         input_ids=tokens.reshape(1, b * t),

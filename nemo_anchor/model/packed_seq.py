@@ -3,9 +3,10 @@
 Megatron applies RoPE per ``cu_seqlens_q/kv`` segment in THD format and ignores position ids.
 So the standard fields describe where positions restart (windows, or documents for
 ``intra_doc_reset``) while ``cu_seqlens_doc`` / ``cu_seqlens_window`` tell the core attention
-which keys each token may see. ``make_packed_seq_params`` also reads those boundaries to the host
-once and carries them as a :class:`~nemo_anchor.attention.layout.PackLayout` (``layout``): every
-layer of the micro-batch reuses it, with no host sync inside the layers. Plain ``PackedSeqParams``
+which keys each token may see. ``make_packed_seq_params`` carries those boundaries as a
+:class:`~nemo_anchor.attention.layout.PackLayout` (``layout``), built on the host from the batch's
+host copy of the boundaries (``batch_for_this_rank``), and each token's rotary position: every
+layer of the micro-batch reuses them, with no host sync in the forward. Plain ``PackedSeqParams``
 (e.g. from NeMo's own packed path) still work: every segment is then its own document and window,
 read in each layer.
 """
@@ -18,6 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from nemo_anchor.attention.layout import PackLayout, pack_layout
 from nemo_anchor.attention.paradigms import get_attention_type
+from nemo_anchor.model.rope import rope_positions
 
 
 @dataclass
@@ -40,19 +42,27 @@ def packed_layout(params: PackedSeqParams) -> PackLayout:
 
 
 def make_packed_seq_params(
-    cu_seqlens: torch.Tensor, cu_windows: torch.Tensor, attention_type: str, cp_group=None
+    cu_seqlens: torch.Tensor, cu_windows: torch.Tensor, attention_type: str, cp_group=None,
+    layout: PackLayout | None = None,
 ) -> AnchorPackedSeqParams:
     """Build THD params for a batch of packed windows (see ``nemo_anchor.data.collate_windows``).
 
-    ``cu_seqlens``/``cu_windows`` are int32 boundaries over the flattened ``B*T`` tokens.
+    ``cu_seqlens``/``cu_windows`` are int32 boundaries over the flattened ``B*T`` tokens, on the
+    model's device. ``layout``: the same boundaries read on the host before they were moved there
+    (``batch_for_this_rank`` adds it to the batch); without it they are read here, a host sync on a GPU.
     """
     kind = get_attention_type(attention_type)
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_windows = cu_windows.to(torch.int32)
-    layout = pack_layout(cu_seqlens, cu_windows)
+    if layout is None:
+        layout = pack_layout(cu_seqlens, cu_windows)
     by_document = kind.rope_restarts == "document"
-    rope_segments = cu_seqlens if by_document else cu_windows
     rope_bounds = layout.doc_bounds if by_document else layout.window_bounds
+    rope_segments = cu_seqlens if by_document else cu_windows
+    cp_size, cp_rank = (cp_group.size(), cp_group.rank()) if cp_group is not None else (1, 0)
+    # Attention passes only cu_seqlens_q/kv to RoPE: they carry the positions (nemo_anchor.model.rope)
+    rope_segments.rope_positions = torch.from_numpy(rope_positions(rope_bounds, cp_size, cp_rank)).to(
+        cu_seqlens.device, non_blocking=True)
     # Megatron sizes its RoPE table by max_seqlen and, when that equals the pack length, maps
     # positions by offset instead of restarting per segment; both agree with rope_segments.
     max_seqlen = max(end - start for start, end in zip(rope_bounds, rope_bounds[1:]))

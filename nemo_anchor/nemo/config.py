@@ -16,9 +16,10 @@ import torch
 from nemo.collections import llm
 from nemo.collections.llm.gpt.model.llama import Llama31Config
 
-from nemo_anchor.nemo import cpu
+from nemo_anchor.nemo import compat, cpu
 from nemo_anchor.training.mixin import AnchorConfigMixin
 
+compat.install()  # NeMo 2.7.3's optimizer call against megatron-core 0.16, wherever it runs
 cpu.install()  # NeMo on a machine without CUDA; nothing on CUDA machines
 
 

@@ -10,7 +10,7 @@ wraps the few NeMo functions that cannot run on the CPU, each with the narrowest
 - ``nemo/lightning/pytorch/strategies/megatron_strategy.py:801-888`` and
   ``nemo/lightning/pytorch/plugins/data_sampler.py:192,212`` log step values through
   ``torch.tensor(x, pin_memory=True).to("cuda")``;
-- ``ckpt_async_save=True`` (``megatron_strategy.py:289``, the recipes' default) writes through
+- ``ckpt_async_save=True`` (``megatron_strategy.py:289``, NeMo's default and the recipes' with CUDA) writes through
   NeMo's async checkpoint queue and tensorstore: saves are synchronous on the CPU;
 - ``nemo/lightning/io/pl.py:495`` (``_fix_tensors_device``) asserts CUDA is initialised when a
   checkpoint is restored: loaded tensors stay on the CPU.
@@ -23,20 +23,15 @@ wraps the few NeMo functions that cannot run on the CPU, each with the narrowest
   it runs without autograd; and the ``dp_reshardable`` load takes AdamW's step count from the
   placeholder state, so the count is set to the restored global step (one optimizer step each).
 
-One more NeMo 2.7.3 bug is not about CUDA: ``nemo/lightning/_strategy_lib.py:712`` calls
-megatron-core's ``get_megatron_optimizer`` with ``no_weight_decay_cond``/``scale_lr_cond``/
-``lr_mult``, which megatron-core 0.16 no longer takes (it has ``config_overrides``). That adapter is
-installed on any machine, only when the installed megatron-core lacks those arguments.
-
-Training itself also needs ``accelerator="cpu"`` (Lightning then uses gloo) and
-``use_cpu_initialization=True``: the recipes (``nemo_anchor.nemo.recipes.anchor_trainer``) and the
-anchor configs (``AnchorConfigMixin``) set them when CUDA is absent.
+Training itself also needs the CPU accelerator (Lightning then uses gloo), fp32 and
+``use_cpu_initialization=True``: the training process picks them when it sees no CUDA
+(``nemo_anchor.launch``, through the recipes' ``accelerator="auto"`` and
+``nemo_anchor.nemo.strategy``, and ``AnchorConfigMixin``). NeMo 2.7.3's call of megatron-core
+0.16's optimizer factory is a version mismatch, not a CPU matter: ``nemo_anchor.nemo.compat``.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 
 import torch
 
@@ -53,7 +48,6 @@ def on_cpu() -> bool:
 def install() -> bool:
     """Patch NeMo for the CPU once, when CUDA is absent; returns whether NeMo runs on the CPU."""
     global _installed
-    _install_optimizer_signature_adapter()
     if not on_cpu():
         return False
     if not _installed:
@@ -79,7 +73,8 @@ def _save_checkpoints_synchronously(strategy_class) -> None:
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        kwargs["ckpt_async_save"] = False  # the async path needs CUDA and tensorstore
+        if on_cpu():
+            kwargs["ckpt_async_save"] = False  # the async path needs CUDA and tensorstore
         original(self, *args, **kwargs)
 
     strategy_class.__init__ = __init__
@@ -128,42 +123,3 @@ def _restore_checkpoints_on_the_cpu() -> None:
     from nemo.lightning.io import pl
 
     pl._fix_tensors_device = lambda checkpoint: checkpoint  # tensors load on the CPU, where they stay
-
-
-def _install_optimizer_signature_adapter() -> None:
-    from nemo.lightning.pytorch.optim import megatron as nemo_optim
-    from megatron.core import optimizer as mcore_optimizer
-
-    setup = nemo_optim.setup_megatron_optimizer
-    if getattr(setup, "_anchor_adapted", False):
-        return
-    if "no_weight_decay_cond" in inspect.signature(mcore_optimizer.get_megatron_optimizer).parameters:
-        return  # a megatron-core that NeMo's call matches
-
-    @functools.wraps(setup)
-    def setup_megatron_optimizer(*args, **kwargs):
-        with _get_megatron_optimizer_taking_nemo_arguments(mcore_optimizer):
-            return setup(*args, **kwargs)
-
-    setup_megatron_optimizer._anchor_adapted = True
-    nemo_optim.setup_megatron_optimizer = setup_megatron_optimizer
-
-
-@contextlib.contextmanager
-def _get_megatron_optimizer_taking_nemo_arguments(mcore_optimizer):
-    """``get_megatron_optimizer`` accepting NeMo 2.7.3's old keyword arguments at their defaults."""
-    original = mcore_optimizer.get_megatron_optimizer
-
-    def get_megatron_optimizer(config, model_chunks, no_weight_decay_cond=None, scale_lr_cond=None,
-                               lr_mult=1.0, **kwargs):
-        if no_weight_decay_cond is not None or scale_lr_cond is not None or lr_mult != 1.0:
-            raise NotImplementedError(
-                "MegatronOptimizerModule(no_weight_decay_cond=, scale_lr_cond=, lr_mult=) has no equivalent in "
-                "this megatron-core's get_megatron_optimizer (it takes config_overrides): leave them at their defaults")
-        return original(config, model_chunks, **kwargs)
-
-    mcore_optimizer.get_megatron_optimizer = get_megatron_optimizer
-    try:
-        yield
-    finally:
-        mcore_optimizer.get_megatron_optimizer = original

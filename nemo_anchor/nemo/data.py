@@ -6,10 +6,14 @@ Each micro-batch is ``nemo_anchor.data.collate_windows`` of B windows: ``tokens`
 forward steps (``nemo_anchor.nemo.config``) turn them into ``AnchorPackedSeqParams``: NeMo's
 ``PackedSeqParams`` path with the anchor metadata the core attention needs.
 
-Data-parallel sharding is NeMo's: ``MegatronDataSampler`` replaces the loader's sampler when the
-trainer sets the module up. Resumption is NeMo's too: the module's ``state_dict`` (saved in every
-checkpoint) holds the windows consumed so far, and a resumed run continues the stream from there,
-as NeMo's own ``PreTrainingDataModule`` does.
+The windows come in the order ``nemo-anchor train`` reads them: sample ``i`` is window ``i`` of
+:class:`~nemo_anchor.data.WindowSampler`'s stream (epoch after epoch of permutations seeded by
+``seed``, the same default seed), so from the same weights and data both trainers see the same
+micro-batches. Data-parallel sharding is NeMo's: ``MegatronDataSampler`` replaces the loader's
+sampler when the trainer sets the module up, rank ``r`` taking the micro-batches our trainer gives
+it. Resumption is NeMo's too: the module's ``state_dict`` (saved in every checkpoint) holds the
+windows consumed so far, and a resumed run continues the stream from there, as NeMo's own
+``PreTrainingDataModule`` does.
 """
 
 from typing import Any, Dict, List, Optional
@@ -20,7 +24,7 @@ from torch.utils.data import DataLoader
 from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
 from nemo.lightning.pytorch.plugins import MegatronDataSampler
 
-from nemo_anchor.data import PackedDataset, collate_windows
+from nemo_anchor.data import DEFAULT_SEED, PackedDataset, WindowSampler, WindowStream, collate_windows
 
 
 class AnchorPackedDataModule(pl.LightningDataModule):
@@ -30,13 +34,15 @@ class AnchorPackedDataModule(pl.LightningDataModule):
         micro_batch_size, global_batch_size, rampup_batch_size: as in NeMo's data modules.
         valid_path: an optional held-out packed dataset (``pack --valid-fraction`` writes ``path/valid``).
         num_workers: DataLoader workers.
+        seed, shuffle: the window order, as ``nemo-anchor train``'s ``trainer.seed`` and ``data.shuffle``.
     """
 
     def __init__(self, path: str, seq_length: int, micro_batch_size: int = 1, global_batch_size: int = 8,
                  rampup_batch_size: Optional[List[int]] = None, valid_path: Optional[str] = None,
-                 num_workers: int = 2):
+                 num_workers: int = 2, seed: int = DEFAULT_SEED, shuffle: bool = True):
         super().__init__()
         self.path, self.valid_path = path, valid_path
+        self.seed, self.shuffle = seed, shuffle
         self.seq_length = seq_length
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.num_workers = num_workers
@@ -55,11 +61,15 @@ class AnchorPackedDataModule(pl.LightningDataModule):
         return dataset
 
     def setup(self, stage: str = "") -> None:
-        self._train_ds = self._open(self.path)
+        train = self._open(self.path)
+        # as long as the run (NeMo's PreTrainingDataModule sizes its samples so), at least one epoch
+        max_steps = getattr(self.trainer, "max_steps", -1) if self.trainer is not None else -1
+        length = max(len(train), max_steps * self.global_batch_size)
+        self._train_ds = WindowStream(train, WindowSampler(len(train), seed=self.seed, shuffle=self.shuffle), length)
         self._valid_ds = self._open(self.valid_path) if self.valid_path else None
 
     @property
-    def train_dataset(self) -> PackedDataset:
+    def train_dataset(self) -> WindowStream:
         if not hasattr(self, "_train_ds"):
             self.setup()
         return self._train_ds
@@ -74,7 +84,7 @@ class AnchorPackedDataModule(pl.LightningDataModule):
             self.setup()
         return [] if self._valid_ds is None else self._loader(self._valid_ds)
 
-    def _loader(self, dataset: PackedDataset) -> DataLoader:
+    def _loader(self, dataset: WindowStream | PackedDataset) -> DataLoader:
         self.init_global_step = self.trainer.global_step if self.trainer is not None else 0
         self.data_sampler.init_global_step = self.init_global_step
         return DataLoader(dataset, batch_size=self.micro_batch_size, num_workers=self.num_workers,

@@ -54,8 +54,9 @@ class AnchorMetricsCallback(pl.Callback):
         data = trainer.datamodule
         global_batch = data.global_batch_size
         consumed = data.data_sampler.compute_consumed_samples(trainer.global_step - data.init_global_step)
-        windows = list(range(consumed - global_batch, consumed))
-        flops = throughput.global_batch_flops(self._model, self._vocab_size, data.train_dataset, windows)
+        stream = data.train_dataset  # sample i is window stream.window(i) of the packed windows
+        windows = [stream.window(i) for i in range(consumed - global_batch, consumed)]
+        flops = throughput.global_batch_flops(self._model, self._vocab_size, stream.dataset, windows)
         tokens = global_batch * data.seq_length
         loss = trainer.callback_metrics["reduced_train_loss"]
         self._logger.log_train_step(

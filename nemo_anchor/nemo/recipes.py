@@ -16,8 +16,10 @@ any field, for example::
       restore_config:
         path: /ckpt/llama2-7b-nemo       # `nemo llm import` of the HF model to continue from
 
-The same recipes run on GPUs (bf16, NCCL) and on a machine without CUDA (fp32, gloo, CPU:
-``nemo_anchor.nemo.cpu``); ``anchor_smollm2_135m`` is the one small enough to train on a CPU.
+A recipe is the same wherever it is built: the process that trains decides what its devices
+decide (``nemo_anchor.nemo.strategy``, ``nemo_anchor.launch``): bf16, NCCL and Megatron's fusions
+on GPUs, fp32 and gloo on a machine without CUDA (``nemo_anchor.nemo.cpu``); a value set in the
+recipe or its YAML wins. ``anchor_smollm2_135m`` is the one small enough to train on a CPU.
 Every run writes ``metrics.jsonl`` in its log directory (``AnchorMetricsCallback``). See
 ``configs/nemo/README.md``.
 """
@@ -31,45 +33,44 @@ from megatron.core.optimizer import OptimizerConfig
 from nemo import lightning as nl
 from nemo.collections import llm
 from nemo.collections.llm.recipes.log.default import default_log, default_resume, tensorboard_logger
-from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed
 
 from nemo_anchor.model.config import paper_rotary_base
-from nemo_anchor.nemo import cpu
 from nemo_anchor.nemo.config import PRESETS, AnchorLlamaConfig, AnchorMistralConfig, AnchorQwen2Config
 from nemo_anchor.nemo.data import AnchorPackedDataModule
 from nemo_anchor.nemo.metrics import AnchorMetricsCallback
 from nemo_anchor.nemo.models import AnchorLlamaModel, AnchorMistralModel, AnchorQwen2Model, model_class_for
+from nemo_anchor.nemo.strategy import AnchorMegatronStrategy, AnchorMixedPrecision
 from nemo_anchor.training import presets
 
 
 def anchor_trainer(num_nodes: int = 1, num_gpus_per_node: int = 8, tensor_parallelism: int = 1,
                    context_parallelism: int = 8, max_steps: int = 2000) -> run.Config[nl.Trainer]:
-    """Megatron strategy, no sampler of Lightning's, ``metrics.jsonl``; on GPUs bf16 mixed precision
-    (fp32 master weights and grads), without CUDA fp32 on the CPU.
+    """Megatron strategy, no sampler of Lightning's, ``metrics.jsonl``. What the devices decide is left
+    to the process that trains (``nemo_anchor.nemo.strategy``): with CUDA bf16 mixed precision (fp32
+    master weights and grads), asynchronous saves, overlapped gradient reduction and parameter
+    gather, NCCL; without CUDA fp32 on the CPU over gloo.
 
     Gradients are summed over data-parallel ranks (``average_in_collective=False``) and the
     configs' ``calculate_per_token_loss`` divides them by the global batch's loss tokens, so a
     multi-rank packed run equals one rank (gloo's AVG reduce-scatter sums, pytorch#162338).
     """
-    on_cpu = cpu.on_cpu()
     strategy = run.Config(
-        nl.MegatronStrategy,
+        AnchorMegatronStrategy,
         tensor_model_parallel_size=tensor_parallelism,
         context_parallel_size=context_parallelism,
         sequence_parallel=tensor_parallelism > 1,
-        ckpt_async_save=not on_cpu,
         ckpt_parallel_load=True,
         gradient_as_bucket_view=True,
-        ddp=run.Config(DistributedDataParallelConfig, grad_reduce_in_fp32=True, overlap_grad_reduce=not on_cpu,
-                       overlap_param_gather=not on_cpu, average_in_collective=False, check_for_nan_in_grad=True),
+        ddp=run.Config(DistributedDataParallelConfig, grad_reduce_in_fp32=True, overlap_grad_reduce=None,
+                       overlap_param_gather=None, average_in_collective=False, check_for_nan_in_grad=True),
     )
     return run.Config(
         nl.Trainer,
-        accelerator="cpu" if on_cpu else "gpu",
+        accelerator="auto",  # Lightning's: the GPU where CUDA is, the CPU elsewhere
         devices=num_gpus_per_node,
         num_nodes=num_nodes,
         strategy=strategy,
-        plugins=None if on_cpu else bf16_mixed(),
+        plugins=run.Config(AnchorMixedPrecision, autocast_enabled=False, grad_reduce_in_fp32=True),
         max_steps=max_steps,
         log_every_n_steps=1,
         val_check_interval=max_steps,
@@ -82,11 +83,11 @@ def anchor_trainer(num_nodes: int = 1, num_gpus_per_node: int = 8, tensor_parall
 
 def anchor_optimizer(lr: float = 2e-5) -> run.Config[nl.MegatronOptimizerModule]:
     """The paper's AdamW: weight decay 0.1, betas (0.9, 0.95), constant learning rate 2e-5 (no
-    scheduler), clipping at 1; bf16 on GPUs."""
+    scheduler), clipping at 1; the precision plugin sets its bf16 where the run is bf16."""
     return run.Config(
         nl.MegatronOptimizerModule,
         config=run.Config(OptimizerConfig, optimizer="adam", lr=lr, weight_decay=0.1, adam_beta1=0.9,
-                          adam_beta2=0.95, clip_grad=1.0, bf16=not cpu.on_cpu(), use_distributed_optimizer=True),
+                          adam_beta2=0.95, clip_grad=1.0, use_distributed_optimizer=True),
     )
 
 
@@ -133,10 +134,11 @@ def anchor_pretrain_recipe(
     config_class = PRESETS[preset]
     recompute = ({} if not recompute_num_layers else
                  dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_num_layers))
-    # cross_entropy_loss_fusion is off: on the CPU it differs from the plain loss by 5e-5 after a step
+    # the fusions (cross-entropy, bias-SwiGLU, RoPE, persistent norm) are decided where the model is
+    # built: on with CUDA and TE, off on the CPU (nemo_anchor.launch)
     model = run.Config(model_class_for(config_class), config=run.Config(
         config_class, attention_type=attention_type, seq_length=seq_length, rotary_base=rotary_base,
-        calculate_per_token_loss=True, cross_entropy_loss_fusion=False, **recompute))
+        calculate_per_token_loss=True, **recompute))
     data = run.Config(AnchorPackedDataModule, path=data_path, seq_length=seq_length,
                       micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
     resume = default_resume()
@@ -213,11 +215,9 @@ def anchor_smollm2_135m(data_path: Optional[str] = None, seq_length: int = 8192,
     model=nemo_anchor.nemo.recipes.anchor_llama source=hf://DIR output_path=OUT``) to continue
     from it. The RoPE base stays SmolLM2's 1e5 at its own 8K window.
     """
-    on_cpu = cpu.on_cpu()
     return anchor_pretrain_recipe("smollm2_135m", data_path=data_path, seq_length=seq_length, name="anchor_smollm2_135m",
                                   num_gpus_per_node=1, context_parallelism=1, global_batch_size=8,
-                                  rotary_base=100_000.0, lr=2e-5, restore_path=restore_path,
-                                  max_steps=100 if on_cpu else 2000)
+                                  rotary_base=100_000.0, lr=2e-5, restore_path=restore_path)
 
 
 # Model factories for `nemo llm import model=... source=hf://DIR`: the HF config decides the shape.

@@ -260,10 +260,14 @@ def shard_batch(batch: dict, cp_group, attention_type: str) -> dict:
 
 def batch_for_this_rank(batch: dict, attention_type: str, device: torch.device) -> dict:
     """A collated batch as this rank's model takes it: its context-parallel share (:func:`shard_batch`
-    over Megatron's context-parallel group) with every tensor on ``device``."""
+    over Megatron's context-parallel group) with every tensor on ``device``, and ``layout``, the
+    boundaries' :class:`~nemo_anchor.attention.layout.PackLayout` read from the host copy before the
+    transfer (the model would otherwise read them back from the device: a host sync per micro-batch)."""
     from megatron.core import parallel_state
 
     if parallel_state.get_context_parallel_world_size() > 1:
         batch = shard_batch(batch, parallel_state.get_context_parallel_group(), attention_type)
-    return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
-            for key, value in batch.items()}
+    layout = pack_layout(batch["cu_seqlens"], batch["cu_windows"])
+    moved = {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+             for key, value in batch.items()}
+    return {**moved, "layout": layout}

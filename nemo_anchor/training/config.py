@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_anchor.attention.paradigms import get_attention_type
+from nemo_anchor.data.sampler import DEFAULT_SEED
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.training.resume import check_allow_list
 
@@ -33,7 +34,7 @@ class TrainerConfig:
     micro_batch_size: int = 1  # windows per forward pass on one rank
     precision: str = "bf16"  # bf16 (bf16 compute, fp32 master weights/grads/optimizer) | fp32
     distributed_optimizer: bool = True  # shard fp32 masters and Adam state over data x context ranks (ZeRO-1)
-    seed: int = 1234
+    seed: int = DEFAULT_SEED  # model initialisation and the window order
     log_every: int = 1
     eval_every: int = 0  # 0: evaluate at the end only
     eval_batches: int = 8

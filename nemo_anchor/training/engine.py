@@ -7,7 +7,7 @@ What Megatron-LM and NeMo run, built from Megatron-Core's own pieces:
   bucketed reduction over the data x context-parallel group);
 - with CUDA, Megatron-LM's GPU defaults (:func:`megatron_configs`): gradient reduction and the
   distributed optimizer's parameter all-gather overlapped with compute; with Transformer Engine,
-  its fused RoPE and fused weight-gradient accumulation;
+  Megatron-LM's fusions (cross-entropy, bias-SwiGLU, RoPE, persistent layer norm, weight-gradient accumulation);
 - ``get_megatron_optimizer``: AdamW on fp32 master weights with fp32 state, sharded over the
   data x context-parallel ranks with ``trainer.distributed_optimizer`` (ZeRO-1);
 - ``OptimizerParamScheduler`` for warmup and decay;
@@ -60,8 +60,9 @@ def megatron_configs(config: RunConfig, device: torch.device
     With CUDA, gradient reduction overlaps the backward and, with the distributed optimizer, the
     parameter all-gather overlaps the next forward (:func:`parameters_gathered` around what reads
     the parameters outside a step); with Transformer Engine, weight-gradient accumulation is fused
-    into the GEMMs (and RoPE, see :func:`nemo_anchor.model.gpt.rope_fusion`). The CPU (gloo) runs
-    every collective synchronously and unfused.
+    into the GEMMs, and Megatron's fused cross-entropy, bias-SwiGLU, persistent layer norm and RoPE
+    (where :func:`nemo_anchor.model.rope.rope_fusion_allowed`) are on (``nemo_anchor.launch.fusions``).
+    The CPU (gloo) runs every collective synchronously and unfused.
     """
     overlap = device.type == "cuda"
     distributed_optimizer = config.trainer.distributed_optimizer

@@ -8,13 +8,13 @@ the core attention through ``AnchorPackedSeqParams``. Nothing here imports NeMo.
 """
 import functools
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, ClassVar, Optional, Union
 
 import torch
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from nemo_anchor import gpu
+from nemo_anchor import launch
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.gpt import YarnFields
 from nemo_anchor.model.rope import install_rope_precision_hook
@@ -59,6 +59,14 @@ class AnchorConfigMixin(YarnFields):
     transformer_layer_spec: Union[ModuleSpec, Callable] = anchor_layer_spec
     forward_step_fn: Callable = forward_step  # the forward step `nemo-anchor train` runs
     data_step_fn: Callable = anchor_data_step
+    # None: decided by the devices of the process that builds the model (nemo_anchor.launch): on with CUDA and TE
+    bias_activation_fusion: Optional[bool] = None
+    cross_entropy_loss_fusion: Optional[bool] = None
+    persist_layer_norm: Optional[bool] = None
+    apply_rope_fusion: Optional[bool] = None
+    # NeMo builds its configs in the training process; Bridge prints its provider with the recipe and
+    # decides in finalize(), which its pretrain() calls
+    devices_decided_at_construction: ClassVar[bool] = True
 
     def __post_init__(self):
         get_attention_type(self.attention_type)  # ValueError naming the choices
@@ -70,13 +78,8 @@ class AnchorConfigMixin(YarnFields):
                              "with AnchorCoreAttention; set window_size to null")
         if self.data_step_fn is anchor_data_step:
             self.data_step_fn = functools.partial(anchor_data_step, attention_type=self.attention_type)
-        if not torch.cuda.is_available():
-            self.use_cpu_initialization = True  # Megatron would otherwise allocate the weights on CUDA
-        if gpu.transformer_engine_pytorch()[0] is None:
-            # Without TE the layers come from Megatron's local spec, whose torch RMSNorm and
-            # unfused RoPE compute the same thing as the fused kernels these flags ask for.
-            self.apply_rope_fusion = False
-            self.persist_layer_norm = False
+        if self.devices_decided_at_construction:
+            launch.resolve_model_config(self)
         if not self.num_attention_heads:
             # unsized: a placeholder whose shape comes from elsewhere, as in
             # llm.import_ckpt(model=AnchorLlamaModel(AnchorLlamaConfig()), source="hf://...");

@@ -1,0 +1,41 @@
+"""NeMo's Megatron strategy and precision plugin with the device choices left to the training process.
+
+The recipes (``nemo_anchor.nemo.recipes``) are built where the user types, often a login node
+without GPUs, and run where NeMo-Run sends them. These classes take ``None`` for what the devices
+decide and fill it when NeMo builds them, in the training process (``nemo_anchor.launch``):
+asynchronous checkpoint saves and overlapped gradient reduction / parameter all-gather with CUDA,
+bf16 mixed precision with CUDA and fp32 without. A value set in the recipe or its YAML is kept.
+"""
+from typing import Optional
+
+import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from nemo import lightning as nl
+from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
+
+from nemo_anchor import launch
+
+
+class AnchorMegatronStrategy(nl.MegatronStrategy):
+    """``nl.MegatronStrategy``; ``ckpt_async_save=None`` and the DDP config's ``overlap_grad_reduce`` /
+    ``overlap_param_gather`` None are decided by this process's devices."""
+
+    def __init__(self, *args, ckpt_async_save: Optional[bool] = None, **kwargs):
+        super().__init__(*args, ckpt_async_save=launch.async_save() if ckpt_async_save is None else ckpt_async_save,
+                         **kwargs)
+
+    def connect(self, model) -> None:
+        super().connect(model)  # gives the DDP config the optimizer's use_distributed_optimizer
+        if isinstance(self.ddp_config, DistributedDataParallelConfig):
+            launch.resolve_ddp_config(self.ddp_config)
+
+
+class AnchorMixedPrecision(MegatronMixedPrecision):
+    """``MegatronMixedPrecision``; ``precision=None``: bf16 mixed precision (bf16 parameters and
+    compute, fp32 master weights and gradient reduction) with CUDA, fp32 without."""
+
+    def __init__(self, precision: Optional[str] = None, params_dtype: Optional[torch.dtype] = None,
+                 pipeline_dtype: Optional[torch.dtype] = None, **kwargs):
+        precision = launch.mixed_precision() if precision is None else precision
+        dtype = torch.bfloat16 if precision in ("bf16", "bf16-mixed") else torch.float32  # as NeMo's bf16_mixed()
+        super().__init__(precision, params_dtype=params_dtype or dtype, pipeline_dtype=pipeline_dtype or dtype, **kwargs)
