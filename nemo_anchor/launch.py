@@ -4,7 +4,7 @@ Cluster users build a NeMo-Run recipe or a Megatron-Bridge ``ConfigContainer`` o
 GPUs and train it elsewhere. So the recipes leave every device-dependent setting unset (``None``) and
 the training process fills it here from the devices it sees:
 
-- Megatron-LM's Llama-recipe fusions (:data:`FUSIONS`): on with CUDA and Transformer Engine, RoPE's
+- Megatron-LM's Llama-recipe fusions (:data:`nemo_anchor.gpu.FUSIONS`): on with CUDA and Transformer Engine, RoPE's
   only where :func:`~nemo_anchor.model.rope.rope_fusion_allowed`; off on the CPU;
 - gradient reduction overlapped with the backward and the distributed optimizer's parameter
   all-gather with the next forward, and asynchronous checkpoint saves: with CUDA;
@@ -22,8 +22,6 @@ import torch
 from nemo_anchor import gpu
 from nemo_anchor.model.rope import rope_fusion_allowed
 
-# Megatron's fusions that Megatron-LM's and NeMo's Llama recipes run on GPUs
-FUSIONS = ("bias_activation_fusion", "cross_entropy_loss_fusion", "persist_layer_norm", "apply_rope_fusion")
 # fused kernels that only Transformer Engine provides (Megatron's local spec computes the same unfused)
 _TE_ONLY = ("apply_rope_fusion", "persist_layer_norm")
 
@@ -31,12 +29,6 @@ _TE_ONLY = ("apply_rope_fusion", "persist_layer_norm")
 def cuda() -> bool:
     """Whether this process sees a CUDA device."""
     return torch.cuda.is_available()
-
-
-def fusions(*, rope_allowed: bool) -> dict[str, bool]:
-    """Each of :data:`FUSIONS` as this process's devices decide: on with CUDA and Transformer Engine."""
-    on = gpu.transformer_engine_kernels()
-    return {name: on and (name != "apply_rope_fusion" or rope_allowed) for name in FUSIONS}
 
 
 def resolve_model_config(config) -> None:
@@ -49,7 +41,7 @@ def resolve_model_config(config) -> None:
     if config.apply_rope_fusion and not allowed:
         raise ValueError("apply_rope_fusion=True with YaRN or rope_in_fp32: Megatron's fused THD RoPE drops YaRN's "
                          "attention scaling, and rope_in_fp32 asks for the unfused fp32 rotation; leave it unset")
-    for name, value in fusions(rope_allowed=allowed).items():
+    for name, value in gpu.fusions(rope_allowed=allowed).items():
         if getattr(config, name) is None:
             setattr(config, name, value)
     if gpu.transformer_engine_pytorch()[0] is None:

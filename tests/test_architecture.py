@@ -20,7 +20,7 @@ LAYERS = (
     ("parallel",),  # process groups, context parallelism, Megatron-Core's CPU shims
     ("model",),  # AnchorCoreAttention, layer specs, the GPT builder
     ("convert",),  # one model's weights and config across formats (HF, Megatron, NeMo 2, ours)
-    ("training",),  # Megatron-Core's engine, the forward step, checkpoints, planner, metrics; our trainer
+    ("training", "launch"),  # launch: what the training process's devices decide; Megatron-Core's engine, the forward step, checkpoints, planner, metrics; our trainer
     ("export",),  # export-hf / import-hf, inference loading
     ("evaluation",),
     ("analysis",),  # the probe (uses evaluation's loaders)

@@ -31,7 +31,7 @@ _FUSIONS = ("apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fu
             "masked_softmax_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion")
 
 # left unset by the recipes (finalize() decides them): the building machine's values must not travel
-_DECIDED_AT_LAUNCH = (*launch.FUSIONS, "use_cpu_initialization")
+_DECIDED_AT_LAUNCH = (*gpu.FUSIONS, "use_cpu_initialization")
 
 
 def anchor_block_spec(config: "AnchorGPTModelProvider", vp_stage: int | None = None):

@@ -13,7 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
-from nemo_anchor import launch
+from nemo_anchor import gpu
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.packed_seq import make_packed_seq_params
 from nemo_anchor.model.rope import install_rope_precision_hook, rope_fusion_allowed
@@ -79,7 +79,7 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
         # Megatron-LM's Llama-recipe fusions where CUDA and TE are present, RoPE's where it is exact
-        **launch.fusions(rope_allowed=rope_fusion_allowed(cfg)),
+        **gpu.fusions(rope_allowed=rope_fusion_allowed(cfg)),
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=gradient_accumulation_fusion,

@@ -104,7 +104,8 @@ def test_what_the_user_sets_wins(gpu_node):
 NOTHING_PATCHED = r'''
 import importlib
 import torch
-from nemo_anchor.parallel import bridge_cpu_shims, cpu_shims
+from nemo_anchor.bridge import cpu as bridge_cpu_shims
+from nemo_anchor.parallel import cpu_shims
 
 # Transformer Engine is what a GPU node has where this machine needs the import stand-ins
 sys_path_finder = bridge_cpu_shims._StandInFinder()
