@@ -24,7 +24,7 @@ from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
 from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
 from nemo_anchor.training.config import load_config
-from nemo_anchor.training.loop import padded_vocab_size
+from nemo_anchor.model.vocab import padded_vocab_size
 
 
 def apply_overrides(config, overrides: list[str]) -> None:
