@@ -25,6 +25,7 @@ from nemo_anchor.atomic import atomic_directory
 from nemo_anchor.export.hf_mapping import HF_CLASSES, check_hf_weights, megatron_to_hf_state, to_hf_config
 from nemo_anchor.export.megatron_state import build_model, load_into_model
 from nemo_anchor.export.sources import LoadedCheckpoint, read_checkpoint
+from nemo_anchor.export.weight_match import config_key_explainer, match_weights
 from nemo_anchor.hf_dir import CONFIG_FILE, hf_weight_shapes, read_hf_tensors, require_hf_dir
 
 # Megatron TransformerConfig fields that fix every weight's shape: a mismatch is named before loading.
@@ -123,7 +124,7 @@ def init_model_from_hf(model: torch.nn.Module, path: str | os.PathLike) -> None:
     kind = checkpoint_kind(path)
     if kind == HF and has_safetensors(path):
         config, source = read_model_config(path)
-        _check_structure(model, config, source)
+        _check_structure(model, config, source, head="lm_head.weight")
         # every tensor of the files used, every one the config describes present: from the headers alone
         check_hf_weights(hf_weight_shapes(path), config, config.vocab_size, source=str(path),
                          config_source=str(Path(path) / CONFIG_FILE), read=lambda names: read_hf_tensors(path, names))
@@ -138,12 +139,23 @@ def init_model_from_hf(model: torch.nn.Module, path: str | os.PathLike) -> None:
         load_weights(model, source)
     else:
         ckpt = read_checkpoint(path)
-        _check_structure(model, ckpt.config, ckpt.path)
+        _check_structure(model, ckpt.config, ckpt.path, head="lm_head.weight" if ckpt.kind == HF else None)
         load_into_model(model, ckpt.state, source=str(ckpt.path))
 
 
-def _check_structure(model: torch.nn.Module, config, source) -> None:
+def _check_structure(model: torch.nn.Module, config, source, head: str | None = None) -> None:
+    """ValueError naming the key when ``config`` (the source's) gives weights of other shapes than the
+    model being trained, or an output layer it would drop or lacks (``head``: the source's name for it)."""
     for ours, theirs in _STRUCTURE:
         have, want = getattr(model.config, ours), getattr(config, theirs)
         if have != want:
             raise ValueError(f"{source}: {theirs}={want} but the model being trained has {ours}={have}")
+    if not getattr(model, "post_process", True):
+        return  # a pipeline stage without the output layer
+    head = head or "output_layer.weight"
+    tied = model.share_embeddings_and_output_weights
+    shape = (getattr(model, "true_vocab_size", model.vocab_size), model.config.hidden_size)
+    match_weights({} if config.tie_embeddings else {head: shape}, {} if tied else {head: shape}, source=str(source),
+                  explain=config_key_explainer("the model being trained", {}, {}, is_layer=lambda name: False,
+                                               layers="", head=head, tied=f"model.tie_embeddings={tied}",
+                                               fallback=""))
