@@ -9,7 +9,8 @@ command line: a bad option, or a file, key or value the command refuses (missing
 inconsistent, an output it must not replace), printed as one line ``nemo-anchor COMMAND: error: ...``
 (by rank 0 under torchrun); 1 for an answer of "no" the command was asked for (``plan``: the run
 does not fit) and for a fault of nemo-anchor or a library (Python's traceback); 75 (EX_TEMPFAIL)
-for a run stopped by a signal after saving its checkpoint: run it again to resume.
+for a run stopped by a signal after saving its checkpoint: run it again to resume; 128 + the
+signal (130, 143) for a command interrupted while writing its output, which it removes.
 """
 from __future__ import annotations
 

@@ -268,3 +268,18 @@ def test_plain_packed_seq_params_make_every_segment_its_own_window():
                   labels=batch["labels"])
     torch.testing.assert_close(model(**inputs, packed_seq_params=plain),
                                model(**inputs, packed_seq_params=make_packed_seq_params(segments, segments, "anchor")))
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2, 3, 4, 8])
+def test_vocabulary_padding_is_megatrons_and_leaves_every_rank_real_rows(tensor_parallel):
+    """Megatron-LM's rule (a multiple of 128 x TP, only when TP does not divide the vocabulary), except where
+    it would leave the last rank padding only: then the next multiple of TP (checkpoints store each rank's
+    real rows, nemo_anchor.model.vocab)."""
+    from nemo_anchor.model.vocab import padded_vocab_size
+
+    tp = tensor_parallel
+    for vocab in range(64, 3000):
+        padded = padded_vocab_size(vocab, tp)
+        megatron = vocab if vocab % tp == 0 else -(-vocab // (128 * tp)) * 128 * tp
+        assert padded % tp == 0 and 0 <= padded - vocab < padded // tp, (vocab, padded)
+        assert padded == (megatron if megatron - vocab < megatron // tp else -(-vocab // tp) * tp), (vocab, padded)

@@ -125,6 +125,8 @@ LAYOUTS = {
     "tp2_pp2_cp2_a2a": (8, [ANCHOR, TP2, PP2, _cp(2), A2A]),
     "single_byte_vocab": (1, [ANCHOR, BYTE_VOCAB]),
     "tp2_byte_vocab": (2, [ANCHOR, BYTE_VOCAB, TP2]),  # padded to 512 rows
+    # 260 rows: 128 x 4 would leave the last rank padding only
+    "tp4_byte_vocab": (4, [ANCHOR, BYTE_VOCAB, "model.tensor_model_parallel_size=4"]),
     "dp2_byte_vocab_saved": (2, [ANCHOR, BYTE_VOCAB, f"trainer.max_steps={RESUME_AT}"]),
     "tp2_byte_vocab_saved": (2, [ANCHOR, BYTE_VOCAB, TP2, f"trainer.max_steps={RESUME_AT}"]),
 }

@@ -139,14 +139,17 @@ def load_into_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from nemo_anchor.training.optimizer_state import parts
-
     filled = set()
     with torch.no_grad():
         for value in model.sharded_state_dict().values():
-            if not isinstance(value, (ShardedTensor, ShardedTensorFactory)):
-                continue  # _extra_state and other non-tensor entries
-            for part in parts(value):  # a factory builds several (SwiGLU's fc1) or none (vocabulary padding)
+            if isinstance(value, ShardedTensorFactory):
+                parts = value.build()  # e.g. SwiGLU's fc1: gate and up, views into the parameter
+                parts = parts if isinstance(parts, (list, tuple)) else [parts]
+            elif isinstance(value, ShardedTensor):
+                parts = [value]
+            else:  # _extra_state and other non-tensor entries
+                continue
+            for part in parts:
                 index = part.global_slice()
                 layers, within = index[:part.prepend_axis_num], index[part.prepend_axis_num:]
                 if len(layers) > 1:

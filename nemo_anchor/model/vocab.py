@@ -30,11 +30,19 @@ VOCAB_WEIGHTS = ("embedding.word_embeddings.weight", "output_layer.weight")  # s
 
 def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
     """``vocab_size`` padded as Megatron-LM pads it (to a multiple of 128 x tensor-parallel size),
-    only when the tensor-parallel split of the embedding and logits needs it."""
-    if vocab_size % tensor_parallel_size == 0:
+    only when the tensor-parallel split of the embedding and logits needs it, and to the next
+    multiple of the tensor-parallel size where that would leave a rank with padding only (a small
+    vocabulary split many ways): every rank holds real rows."""
+    tp = tensor_parallel_size
+    if vocab_size % tp == 0:
         return vocab_size
-    multiple = 128 * tensor_parallel_size
-    return -(-vocab_size // multiple) * multiple
+    padded = -(-vocab_size // (128 * tp)) * 128 * tp
+    if padded - vocab_size >= padded // tp:
+        padded = -(-vocab_size // tp) * tp
+    if padded - vocab_size >= padded // tp:
+        raise ValueError(f"model.vocab_size={vocab_size} is too small to split over "
+                         f"model.tensor_model_parallel_size={tp} ranks")
+    return padded
 
 
 class PaddedVocabGPTModel(GPTModel):
@@ -50,7 +58,7 @@ class PaddedVocabGPTModel(GPTModel):
         """How many of this rank's ``rows`` vocabulary rows (its tensor-parallel share, or all of
         them when gathered) are tokens."""
         start = 0 if rows == self.vocab_size else parallel_state.get_tensor_model_parallel_rank() * rows
-        return max(0, min(rows, self.true_vocab_size - start))
+        return min(rows, self.true_vocab_size - start)
 
     def _mask_padded_logits(self, module, args, output):
         logits, bias = output
@@ -74,19 +82,15 @@ def true_vocab_rows(entry: ShardedTensor, vocab_size: int) -> ShardedTensorFacto
     this rank's real rows are written; loaded, they are padded back with zeros to the local shape."""
     axis = entry.prepend_axis_num  # the vocabulary axis of the global shape
     rows, rest = entry.local_shape[0], tuple(entry.local_shape[1:])
-    real = max(0, min(rows, vocab_size - entry.global_offset[axis]))
+    real = min(rows, vocab_size - entry.global_offset[axis])  # >= 1 (padded_vocab_size)
     global_shape = (*entry.global_shape[:axis], vocab_size, *entry.global_shape[axis + 1:])
 
     def build(key, data, replica_id, flattened_range):
-        if real == 0:  # every row of this rank is padding (a small vocabulary split many ways)
-            return {}
         return replace(entry, key=key, data=data[:real], dtype=data.dtype, local_shape=(real, *rest),
                        global_shape=global_shape, axis_fragmentations=None, replica_id=replica_id,
                        allow_shape_mismatch=False)
 
-    def merge(loaded):
-        if real == 0:
-            return torch.zeros((rows, *rest), dtype=entry.data.dtype, device=entry.data.device)
+    def merge(loaded: torch.Tensor) -> torch.Tensor:
         return torch.cat([loaded, loaded.new_zeros((rows - real, *rest))])
 
     return ShardedTensorFactory(entry.key, entry.data, build, merge, entry.replica_id)

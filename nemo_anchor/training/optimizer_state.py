@@ -64,12 +64,9 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple
 
 
 def parts(sharded) -> list[ShardedTensor]:
-    """The ShardedTensors a model entry stands for (a factory such as SwiGLU's fc1 builds several,
-    a vocabulary-split weight only its real rows)."""
+    """The ShardedTensors a model entry stands for (a factory such as SwiGLU's fc1 builds several)."""
     if isinstance(sharded, ShardedTensorFactory):
         built = sharded.build()
-        if isinstance(built, dict):  # {}: this rank holds none of it (nemo_anchor.model.vocab's padding)
-            return list(built.values())
         return list(built) if isinstance(built, (list, tuple)) else [built]
     return [sharded]
 
