@@ -48,7 +48,7 @@ def run_export(args: argparse.Namespace) -> int:
     from nemo_anchor.export.hf import export_hf
 
     return _printing(lambda: export_hf(args.checkpoint, args.out_dir, dtype=getattr(torch, args.dtype),
-                                               overwrite=args.overwrite))
+                                       overwrite=args.overwrite))
 
 
 def run_import(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ import sys
 from dataclasses import asdict
 
 
-
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "train", help="pretrain / continue-pretrain a Megatron GPT with the configured attention_type",
