@@ -7,8 +7,10 @@ The rules, the same for ``pack``, ``export-hf``, ``import-hf``, ``probe`` and ``
   cannot be written to, and an existing output unless ``--overwrite``;
 - ``--overwrite`` replaces only a directory the same subcommand wrote and nobody changed since: each
   output directory holds :data:`MARKER`, naming the subcommand and listing every path written into
-  it. A directory without it, written by another subcommand (``export-hf --overwrite`` over a packed
-  dataset), or holding anything it does not list, is refused (an empty directory counts as absent);
+  it with each file's size and SHA-256. A directory without it, written by another subcommand
+  (``export-hf --overwrite`` over a packed dataset), holding anything it does not list, or a file
+  whose content differs from what was written (an edited ``config.json``), is refused (an empty
+  directory counts as absent);
 - the new output is built in a hidden staging directory next to the target and renamed into place,
   so a failure leaves the earlier output (or nothing) behind, never half of one; a full disk, an
   exceeded quota, a read-only file system or a folder without write permission is reported as one
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -97,7 +100,7 @@ def _check_ours(target: Path, command: str) -> None:
         raise OutputError(f"--overwrite refused: {target} is not a directory written by {_TOOL}; remove it yourself")
     try:
         marker = json.loads((target / MARKER).read_text())
-        written = set(marker["files"])
+        written = marker["files"]
     except (OSError, ValueError, KeyError, TypeError):
         raise OutputError(f"--overwrite refused: {target} was not written by {_TOOL} (no readable {MARKER}); "
                           f"remove it yourself or choose another output path") from None
@@ -105,10 +108,19 @@ def _check_ours(target: Path, command: str) -> None:
         raise OutputError(f"--overwrite refused: {target} was written by `{_TOOL} {marker.get('command')}`, and "
                           f"`{_TOOL} {command} --overwrite` replaces only its own kind of output; remove it "
                           f"yourself or choose another output path")
-    extra = sorted(set(_listing(target)) - written)
+    if not isinstance(written, dict):
+        raise OutputError(f"--overwrite refused: {target / MARKER} records no sizes and digests (an older "
+                          f"{_TOOL} wrote it), so changes since cannot be ruled out; remove it yourself or choose "
+                          f"another output path")
+    extra = sorted(set(_listing(target)) - set(written))
     if extra:
         raise OutputError(f"--overwrite refused: {target} holds {target / extra[0]}, which {_TOOL} did not write "
                           f"there ({len(extra)} such path(s)); remove it yourself or choose another output path")
+    for relative, record in sorted(written.items()):
+        path = target / relative
+        if record is not None and path.is_file() and _content(path, record) != record:
+            raise OutputError(f"--overwrite refused: {path} changed since `{_TOOL} {command}` wrote it (size or "
+                              f"SHA-256 differs); remove it yourself or choose another output path")
 
 
 def _listing(directory: Path) -> list[str]:
@@ -120,6 +132,22 @@ def _listing(directory: Path) -> list[str]:
             if relative != MARKER:
                 found.append(relative)
     return sorted(found)
+
+
+def _content(path: Path, expected: dict | None = None) -> dict:
+    """``{"bytes": size, "sha256": hex digest}`` of a file (the digest is skipped when the size already
+    differs from ``expected``'s)."""
+    size = path.stat().st_size
+    if expected is not None and expected.get("bytes") != size:
+        return {"bytes": size}
+    with open(path, "rb") as handle:
+        return {"bytes": size, "sha256": hashlib.file_digest(handle, "sha256").hexdigest()}
+
+
+def _inventory(directory: Path) -> dict[str, dict | None]:
+    """:func:`_listing` with each file's :func:`_content` (None for a folder or a link)."""
+    return {relative: _content(directory / relative) if (directory / relative).is_file()
+            and not (directory / relative).is_symlink() else None for relative in _listing(directory)}
 
 
 @contextlib.contextmanager
@@ -139,7 +167,7 @@ def atomic_directory(target: str | os.PathLike, *, inputs: Iterable[str | os.Pat
         staging.mkdir()  # mode 0o777 less the umask, unlike mkdtemp's 0o700
         yield staging
         (staging / MARKER).write_text(json.dumps({"tool": _TOOL, "command": command,
-                                                  "files": _listing(staging)}, indent=1))
+                                                  "files": _inventory(staging)}, indent=1))
         _give_user_modes(staging)
         _replace(staging, target)
 

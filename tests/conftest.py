@@ -23,10 +23,11 @@ def tiny_byte_llama():
 
     from nemo_anchor.data import byte_tokenizer
 
-    def save(path, max_positions: int = 32):
+    def save(path, max_positions: int = 32, tie_word_embeddings: bool = False):
         config = transformers.LlamaConfig(vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=1,
-                                          max_position_embeddings=max_positions)
+                                          max_position_embeddings=max_positions,
+                                          tie_word_embeddings=tie_word_embeddings)
         transformers.LlamaForCausalLM(config).save_pretrained(path)
         byte_tokenizer().save(path)
         return path

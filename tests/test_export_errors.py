@@ -43,10 +43,10 @@ def test_missing_checkpoint(tmp_path):
 
 
 def test_cli_reports_errors_on_one_line(tmp_path, capsys):
-    assert main(["export-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+    assert main(["export-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "nowhere" in err and "Traceback" not in err
-    assert main(["import-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+    assert err.startswith("nemo-anchor export-hf: error: ") and "nowhere" in err and "Traceback" not in err
+    assert main(["import-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
 
 
 def test_corrupt_checkpoint(ours_dir, tmp_path):

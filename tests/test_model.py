@@ -336,3 +336,18 @@ def test_per_token_rope_rotates_as_megatrons_thd_rope(variant, cp_size):
         megatrons = rope_utils.apply_rotary_pos_emb(source, freqs, model.config, cu_seqlens=cu_windows.clone(),
                                                     mscale=mscale, cp_group=group).to(x.dtype)
         torch.testing.assert_close(ours, megatrons, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2, 3, 4, 8])
+def test_vocabulary_padding_is_megatrons_and_leaves_every_rank_real_rows(tensor_parallel):
+    """Megatron-LM's rule (a multiple of 128 x TP, only when TP does not divide the vocabulary), except where
+    it would leave the last rank padding only: then the next multiple of TP (checkpoints store each rank's
+    real rows, nemo_anchor.model.vocab)."""
+    from nemo_anchor.model.vocab import padded_vocab_size
+
+    tp = tensor_parallel
+    for vocab in range(64, 3000):
+        padded = padded_vocab_size(vocab, tp)
+        megatron = vocab if vocab % tp == 0 else -(-vocab // (128 * tp)) * 128 * tp
+        assert padded % tp == 0 and 0 <= padded - vocab < padded // tp, (vocab, padded)
+        assert padded == (megatron if megatron - vocab < megatron // tp else -(-vocab // tp) * tp), (vocab, padded)

@@ -36,6 +36,8 @@ if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-impo
 ANCHOR, RESET = "model.attention_type=anchor", "model.attention_type=intra_doc_reset"
 TP2, PP2 = "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"
 A2A, ALL_GATHER = "model.cp_comm_type=a2a", "model.cp_comm_type=all_gather"
+# the byte tokenizer's own 259 ids: tensor parallelism pads them to 512 rows, one process does not pad
+BYTE_VOCAB = "model.vocab_size=null"
 
 
 def _cp(size: int) -> str:
@@ -95,8 +97,15 @@ def _losses(output_dir: Path) -> dict[int, float]:
 def start(config, root):
     """Starting weights for every run (``model.init_from_hf``): a random init depends on the layout
     (each tensor-parallel rank draws its own SwiGLU halves), loading one checkpoint does not."""
-    _launch(config, 1, [(root / "start", ["trainer.max_steps=1"])])
-    return f"model.init_from_hf={root / 'start'}"
+    _launch(config, 1, [(root / "start", ["trainer.max_steps=1"]),
+                        (root / "start_byte_vocab", ["trainer.max_steps=1", BYTE_VOCAB])])
+    return {vocab: f"model.init_from_hf={root / name}" for vocab, name in ((None, "start"),
+                                                                         (BYTE_VOCAB, "start_byte_vocab"))}
+
+
+def _start(start: dict, overrides: list[str]) -> str:
+    """The starting weights of a run, in its vocabulary."""
+    return start[BYTE_VOCAB if BYTE_VOCAB in overrides else None]
 
 
 # name -> (processes, overrides); every run of a process count is one launch
@@ -114,6 +123,12 @@ LAYOUTS = {
     "cp8_a2a": (8, [ANCHOR, _cp(8), A2A]),
     "cp8_all_gather": (8, [RESET, _cp(8), ALL_GATHER]),
     "tp2_pp2_cp2_a2a": (8, [ANCHOR, TP2, PP2, _cp(2), A2A]),
+    "single_byte_vocab": (1, [ANCHOR, BYTE_VOCAB]),
+    "tp2_byte_vocab": (2, [ANCHOR, BYTE_VOCAB, TP2]),  # padded to 512 rows
+    # 260 rows: 128 x 4 would leave the last rank padding only
+    "tp4_byte_vocab": (4, [ANCHOR, BYTE_VOCAB, "model.tensor_model_parallel_size=4"]),
+    "dp2_byte_vocab_saved": (2, [ANCHOR, BYTE_VOCAB, f"trainer.max_steps={RESUME_AT}"]),
+    "tp2_byte_vocab_saved": (2, [ANCHOR, BYTE_VOCAB, TP2, f"trainer.max_steps={RESUME_AT}"]),
 }
 
 
@@ -125,7 +140,7 @@ def trained(config, root, start):
     def losses(name: str) -> dict[int, float]:
         processes = LAYOUTS[name][0]
         if processes not in done:
-            _launch(config, processes, [(root / run, [start, *overrides])
+            _launch(config, processes, [(root / run, [_start(start, overrides), *overrides])
                                         for run, (count, overrides) in LAYOUTS.items() if count == processes])
             done.add(processes)
         return _losses(root / name)
@@ -133,7 +148,9 @@ def trained(config, root, start):
 
 
 def _reference(trained, name: str) -> dict[int, float]:
-    single = trained("single_reset" if RESET in LAYOUTS[name][1] else "single_anchor")
+    overrides = LAYOUTS[name][1]
+    single = trained("single_reset" if RESET in overrides else "single_byte_vocab" if BYTE_VOCAB in overrides
+                     else "single_anchor")
     assert sorted(single) == list(range(1, STEPS + 1))
     assert single[STEPS] < single[1]  # it trains: later steps see new weights
     return single
@@ -154,7 +171,8 @@ def test_data_parallel_with_distributed_optimizer(root, trained):
 
 
 @pytest.mark.parametrize("name", [name for name, (processes, _) in LAYOUTS.items()
-                                  if processes > 1 and name not in ("dp2", "dp2_saved")])
+                                  if processes > 1 and name not in ("dp2", "dp2_saved", "dp2_byte_vocab_saved",
+                                                                    "tp2_byte_vocab_saved")])
 def test_layout_reproduces_one_process(trained, name):
     losses = trained(name)
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -164,19 +182,52 @@ def test_layout_reproduces_one_process(trained, name):
 @pytest.fixture(scope="module")
 def resumed(config, root, start, trained):
     """The data-parallel checkpoint of step RESUME_AT, continued to STEPS in other layouts."""
-    trained("dp2_saved")
-    layouts = {"resumed_pp2": [PP2], "resumed_tp2": [TP2], "resumed_cp2": [_cp(2)], "resumed_one_process": []}
-    for name in layouts:
-        shutil.copytree(root / "dp2_saved", root / name)
-    _launch(config, 2, [(root / name, [start, ANCHOR, *extra]) for name, extra in layouts.items() if extra])
-    _launch(config, 1, [(root / "resumed_one_process", [start, ANCHOR])])
+    for name, (saved, _, _) in RESUMED.items():
+        trained(saved)  # its process count's launch
+        shutil.copytree(root / saved, root / name)
+    for count in (2, 1):
+        _launch(config, count, [(root / name, [_start(start, overrides), *overrides])
+                                for name, (_, processes, overrides) in RESUMED.items() if processes == count])
     return lambda name: _losses(root / name)
 
 
-@pytest.mark.parametrize("name", ["resumed_pp2", "resumed_tp2", "resumed_cp2", "resumed_one_process"])
+# name -> (the checkpoint of step RESUME_AT it continues, processes, overrides)
+RESUMED = {
+    "resumed_pp2": ("dp2_saved", 2, [ANCHOR, PP2]), "resumed_tp2": ("dp2_saved", 2, [ANCHOR, TP2]),
+    "resumed_cp2": ("dp2_saved", 2, [ANCHOR, _cp(2)]), "resumed_one_process": ("dp2_saved", 1, [ANCHOR]),
+    # a vocabulary that tensor parallelism pads: checkpoints store its 259 rows, whatever the layout
+    "resumed_byte_vocab_tp2": ("dp2_byte_vocab_saved", 2, [ANCHOR, BYTE_VOCAB, TP2]),
+    "resumed_byte_vocab_one_process": ("tp2_byte_vocab_saved", 1, [ANCHOR, BYTE_VOCAB]),
+    "resumed_byte_vocab_pp2": ("tp2_byte_vocab_saved", 2, [ANCHOR, BYTE_VOCAB, PP2]),
+}
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
 def test_resume_in_another_layout_continues_the_straight_run(trained, resumed, name):
-    """A checkpoint saved at data parallel 2 continues exactly at pipeline 2, tensor 2, context 2 and in one process."""
+    """A checkpoint saved at data parallel 2 continues exactly at pipeline 2, tensor 2, context 2 and in one
+    process; one of the byte tokenizer's vocabulary, saved at data or tensor parallel 2 (512 padded rows),
+    continues at tensor parallel 2, pipeline parallel 2 and in one process (259 rows)."""
+    saved = RESUMED[name][0]
     losses = resumed(name)
     assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses[RESUME_AT] == trained("dp2_saved")[RESUME_AT]  # steps before the resume logged once
-    _close({s: v for s, v in losses.items() if s > RESUME_AT}, trained("single_anchor"), 1e-5)
+    assert losses[RESUME_AT] == trained(saved)[RESUME_AT]  # steps before the resume logged once
+    _close({s: v for s, v in losses.items() if s > RESUME_AT}, _reference(trained, saved), 1e-5)
+
+
+def test_padded_vocabulary_stays_out_of_checkpoints_and_exports(root, trained, tmp_path):
+    """A tensor-parallel checkpoint of the byte tokenizer stores its 259 rows, weights and Adam moments alike,
+    and exports a Hugging Face model of 259 tokens: no padded row that generation could emit."""
+    from megatron.core import dist_checkpointing
+    from safetensors import safe_open
+
+    trained("tp2_byte_vocab_saved")
+    checkpoint = root / "tp2_byte_vocab_saved" / "checkpoints" / f"iter_{RESUME_AT:07d}"
+    vocab_rows = {key: tuple(meta.global_shape) for key, meta in
+                  dist_checkpointing.load_tensors_metadata(str(checkpoint)).items()
+                  if key.endswith(("word_embeddings.weight", "output_layer.weight"))}
+    assert len(vocab_rows) == 6 and set(vocab_rows.values()) == {(259, 64)}, vocab_rows  # weights, exp_avg, exp_avg_sq
+    assert cli(["export-hf", str(checkpoint), str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 259
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as weights:
+        assert {name: weights.get_slice(name).get_shape() for name in ("model.embed_tokens.weight", "lm_head.weight")} \
+            == {"model.embed_tokens.weight": [259, 64], "lm_head.weight": [259, 64]}

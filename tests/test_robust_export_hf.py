@@ -26,11 +26,11 @@ def snapshot(folder):
 
 def test_output_that_is_or_contains_the_checkpoint_is_refused(runs, capsys):
     before = snapshot(runs)
-    assert main(["export-hf", str(runs / "A"), str(runs / "A"), "--overwrite"]) == 1
+    assert main(["export-hf", str(runs / "A"), str(runs / "A"), "--overwrite"]) == 2
     assert f"output {runs / 'A'} is the input {runs / 'A'}" in capsys.readouterr().err
-    assert main(["export-hf", str(runs / "A"), str(runs), "--overwrite"]) == 1
+    assert main(["export-hf", str(runs / "A"), str(runs), "--overwrite"]) == 2
     assert f"output {runs} contains the input {runs / 'A'}" in capsys.readouterr().err
-    assert main(["export-hf", str(runs / "A"), str(runs / "A" / "hf")]) == 1
+    assert main(["export-hf", str(runs / "A"), str(runs / "A" / "hf")]) == 2
     assert "lies inside the input" in capsys.readouterr().err
     assert snapshot(runs) == before  # every checkpoint and metrics file of both runs is still there
 
@@ -45,12 +45,12 @@ def test_overwrite_replaces_an_earlier_export_only(runs, tmp_path, capsys):
     assert out.stat().st_mode & 0o777 == 0o755
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}["model.safetensors"] == 0o644
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir())
-    assert main(["export-hf", str(runs / "A"), str(out)]) == 1 and "already exists" in capsys.readouterr().err
+    assert main(["export-hf", str(runs / "A"), str(out)]) == 2 and "already exists" in capsys.readouterr().err
     assert main(["export-hf", str(runs / "A"), str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
     written = json.loads((out / "config.json").read_text())
     assert written.get("dtype", written.get("torch_dtype")) == "bfloat16"  # the new export replaced the old one
     (out / "README.md").write_text("my model card")
-    assert main(["export-hf", str(runs / "A"), str(out), "--overwrite"]) == 1
+    assert main(["export-hf", str(runs / "A"), str(out), "--overwrite"]) == 2
     assert f"{out / 'README.md'}" in capsys.readouterr().err
     assert (out / "README.md").read_text() == "my model card" and (out / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no staging left beside it
@@ -58,6 +58,22 @@ def test_overwrite_replaces_an_earlier_export_only(runs, tmp_path, capsys):
 
 def test_output_parent_that_is_a_file(runs, tmp_path, capsys):
     (tmp_path / "afile").write_text("")
-    assert main(["export-hf", str(runs / "A"), str(tmp_path / "afile" / "hf")]) == 1
+    assert main(["export-hf", str(runs / "A"), str(tmp_path / "afile" / "hf")]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'afile'} is a file" in err and "Traceback" not in err
+
+
+def test_overwrite_refuses_an_export_whose_content_was_edited(runs, tmp_path, capsys):
+    """The marker records each file's size and SHA-256: an edit that keeps every name (and here the size) is seen."""
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(runs / "A"), str(out)]) == 0
+    marker = json.loads((out / ".nemo-anchor-output.json").read_text())["files"]
+    assert marker["config.json"]["bytes"] == (out / "config.json").stat().st_size
+    edited = (out / "config.json").read_text().replace('"silu"', '"gelu"')  # the user's own change, same size
+    assert edited != (out / "config.json").read_text()
+    (out / "config.json").write_text(edited)
+    assert main(["export-hf", str(runs / "A"), str(out), "--overwrite"]) == 2
+    assert f"{out / 'config.json'} changed since `nemo-anchor export-hf` wrote it" in capsys.readouterr().err
+    assert (out / "config.json").read_text() == edited
+    (out / "config.json").write_text(edited.replace('"gelu"', '"silu"'))  # put back as written: replaced again
+    assert main(["export-hf", str(runs / "A"), str(out), "--overwrite"]) == 0

@@ -50,7 +50,7 @@ def snapshot(folder):
 
 def test_export_overwrite_does_not_replace_a_packed_dataset(outputs, capsys):
     before = snapshot(outputs / "packed")
-    assert main(["export-hf", str(outputs / "run"), str(outputs / "packed"), "--overwrite"]) == 1
+    assert main(["export-hf", str(outputs / "run"), str(outputs / "packed"), "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert f"--overwrite refused: {outputs / 'packed'} was written by `nemo-anchor pack`" in err
     assert snapshot(outputs / "packed") == before
@@ -62,7 +62,7 @@ def test_pack_overwrite_does_not_replace_an_hf_export(outputs, capsys):
                  "--output", str(outputs / "export"), "--overwrite"]) == 2
     assert "was written by `nemo-anchor export-hf`" in capsys.readouterr().err
     assert snapshot(outputs / "export") == before
-    assert main(["import-hf", str(outputs / "hf"), str(outputs / "export"), "--overwrite"]) == 1
+    assert main(["import-hf", str(outputs / "hf"), str(outputs / "export"), "--overwrite"]) == 2
     assert "was written by `nemo-anchor export-hf`" in capsys.readouterr().err
     assert snapshot(outputs / "export") == before
 
@@ -112,7 +112,7 @@ MISMATCHES = [  # config.json says key=value for the weights of a 2-layer, hidde
 @pytest.mark.parametrize("key, value, message", MISMATCHES)
 def test_import_hf_refuses_a_config_that_disagrees_with_its_weights(outputs, tmp_path, capsys, key, value, message):
     bad = miswritten(outputs, tmp_path, key, value)
-    assert main(["import-hf", str(bad), str(tmp_path / "imported")]) == 1
+    assert main(["import-hf", str(bad), str(tmp_path / "imported")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert re.search(message, err), err

@@ -65,6 +65,8 @@ def test_plan_answers_absurd_sizes_at_once(argv, capsys):
     (["--gpu-memory", "nan"], "argument --gpu-memory: 'nan' is neither a GPU (h100-80gb, a100-80gb, h200, b200) nor a finite size in GB greater than 0"),
     (["--gpu-memory", "inf"], "argument --gpu-memory: 'inf' is neither a GPU (h100-80gb, a100-80gb, h200, b200) nor a finite size in GB greater than 0"),
     (["--gpu-memory", "-1"], "argument --gpu-memory: '-1' is neither a GPU (h100-80gb, a100-80gb, h200, b200) nor a finite size in GB greater than 0"),
+    (["--gpu-memory", "1e308"], "argument --gpu-memory: '1e308' GB is more bytes than a float holds"),
+    (["--gpu-memory", "1e300"], "argument --gpu-memory: '1e300' GB is more bytes than a float holds"),
     (["model.vocab_size=-5"], "model.vocab_size=-5: must be a positive integer"),
     (["model.hidden_size=0"], "model.hidden_size=0: must be a positive integer"),
     (["model.num_layers=-2"], "model.num_layers=-2: must be a positive integer"),

@@ -33,7 +33,7 @@ def run_probe(inputs, output, *extra, data=None):
     (["99999"], "no D_logit length is at most 64"),
 ])
 def test_bad_lengths_fail_before_anything_is_written(inputs, tmp_path, capsys, lengths, message):
-    assert run_probe(inputs, tmp_path / "probe", "--lengths", *lengths) == 1
+    assert run_probe(inputs, tmp_path / "probe", "--lengths", *lengths) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
@@ -46,23 +46,23 @@ def test_probe_results_follow_the_overwrite_rule(inputs, tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == [".nemo-anchor-output.json", "figure1.png", "probe.json",
                                                      "probe_settings.json"]
     first = (out / "probe.json").read_bytes()
-    assert run_probe(inputs, out, "--lengths", "16") == 1
+    assert run_probe(inputs, out, "--lengths", "16") == 2
     assert "already exists" in capsys.readouterr().err and (out / "probe.json").read_bytes() == first
     assert run_probe(inputs, out, "--lengths", "16", "--overwrite") == 0
     assert list(json.loads((out / "probe.json").read_text())["fp32"]["D_logit"]) == ["16"]
     (out / "paper_draft.tex").write_text("draft")
-    assert run_probe(inputs, out, "--lengths", "16", "--overwrite") == 1
+    assert run_probe(inputs, out, "--lengths", "16", "--overwrite") == 2
     assert str(out / "paper_draft.tex") in capsys.readouterr().err and (out / "paper_draft.tex").exists()
 
 
 def test_output_inside_the_data_folder_is_refused(inputs, capsys):
-    assert run_probe(inputs, inputs["bpe"] / "probe", data=inputs["bpe"]) == 1
+    assert run_probe(inputs, inputs["bpe"] / "probe", data=inputs["bpe"]) == 2
     assert f"lies inside the input {inputs['bpe']}" in capsys.readouterr().err
     assert not (inputs["bpe"] / "probe").exists()
 
 
 def test_data_of_another_tokenizer_is_refused(inputs, tmp_path, capsys):
-    assert run_probe(inputs, tmp_path / "probe", "--lengths", "16", data=inputs["bpe"]) == 1
+    assert run_probe(inputs, tmp_path / "probe", "--lengths", "16", data=inputs["bpe"]) == 2
     err = capsys.readouterr().err
     assert "'bpe-300'" in err and str(inputs["hf"]) in err and not (tmp_path / "probe").exists()
 

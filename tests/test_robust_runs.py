@@ -96,8 +96,9 @@ def test_resume_that_changes_the_run_is_refused_naming_the_key(trained, tmp_path
 
 
 def test_allowed_changes_apply_for_real(trained, tmp_path, capsys):
+    # overrides on both sides of --allow-change (argparse's intermixed parsing)
     status, run = resume(trained, tmp_path, f"data.path={trained / 'moved' / 'data'}", "trainer.max_steps=3",
-                         "optim.lr=0.5", "--allow-change", "optim.lr")
+                         "--allow-change", "optim.lr", "optim.lr=0.5")
     assert status == 0
     out = capsys.readouterr().out
     assert "resuming iter_0000002 with" in out and "optim.lr: 0.001 -> 0.5" in out

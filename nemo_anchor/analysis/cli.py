@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from nemo_anchor.analysis.probe import PAPER_LENGTHS, PAPER_SHIFTS, VARIANTS, ProbeSettings
-from nemo_anchor.evaluation.cli import add_model_arguments, add_overwrite_argument, reporting_errors
+from nemo_anchor.evaluation.cli import add_model_arguments, add_overwrite_argument
 
 DEFAULTS = ProbeSettings()
 
@@ -42,10 +42,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return reporting_errors("probe", lambda: _run(args))
-
-
-def _run(args: argparse.Namespace) -> int:
     from nemo_anchor.analysis.plots import plot_figure1
     from nemo_anchor.analysis.probe import run_probe
     from nemo_anchor.atomic import atomic_directory, check_output

@@ -24,7 +24,7 @@ from nemo_anchor import launch
 from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
 from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
-from nemo_anchor.model.config import padded_vocab_size
+from nemo_anchor.model.vocab import padded_vocab_size
 from nemo_anchor.training.config import load_config
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from nemo_anchor.data.pipeline import TRAIN_BPE_PREFIX, PackOptions, pack
 from nemo_anchor.data.readers import ON_INVALID_UTF8
@@ -62,12 +61,7 @@ def run(args: argparse.Namespace) -> int:
         tag_template=args.tag_template, interleave_chunks=args.interleave_chunks,
         drop_last=args.last_window == "drop", valid_fraction=args.valid_fraction,
         on_invalid_utf8=args.on_invalid_utf8, text_key=args.text_key)
-    try:
-        stats = pack(args.input, args.tokenizer, args.output, options, overwrite=args.overwrite,
-                     export_nemo=args.nemo)
-    except ValueError as error:
-        print(f"nemo-anchor pack: error: {error}", file=sys.stderr)
-        return 2
+    stats = pack(args.input, args.tokenizer, args.output, options, overwrite=args.overwrite, export_nemo=args.nemo)
     print(format_statistics(stats))
     print(f"packed dataset written to {args.output}")
     return 0

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from nemo_anchor.evaluation.models import DTYPES
@@ -66,20 +65,7 @@ def hf_model_dir(value: str) -> Path:
         raise argparse.ArgumentTypeError(f"{error}; use --checkpoint for a training output_dir") from None
 
 
-def reporting_errors(command: str, work) -> int:
-    """Run ``work()``; bad input or settings are one line on stderr and exit status 1."""
-    try:
-        return work()
-    except (ValueError, FileNotFoundError) as error:
-        print(f"nemo-anchor {command}: error: {error}", file=sys.stderr)
-        return 1
-
-
 def run(args: argparse.Namespace) -> int:
-    return reporting_errors("eval", lambda: _run(args))
-
-
-def _run(args: argparse.Namespace) -> int:
     from nemo_anchor.atomic import atomic_directory, check_output
     from nemo_anchor.evaluation.checkpoints import last_checkpoints
     from nemo_anchor.evaluation.models import parse_dtype

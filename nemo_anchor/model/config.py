@@ -27,15 +27,6 @@ def paper_rotary_base(seq_length: int) -> float:
     return _PAPER_ROPE_BASES[-1][1]
 
 
-def padded_vocab_size(tokenizer_vocab: int, tensor_parallel_size: int) -> int:
-    """The tokenizer's vocabulary, padded as Megatron-LM pads it (to a multiple of 128 x tensor-parallel
-    size) only when the tensor-parallel split of the embedding and logits needs it."""
-    if tokenizer_vocab % tensor_parallel_size == 0:
-        return tokenizer_vocab
-    multiple = 128 * tensor_parallel_size
-    return -(-tokenizer_vocab // multiple) * multiple
-
-
 @dataclass
 class ModelConfig:
     architecture: str = "llama"  # llama | mistral | qwen2: decides the HF export class (qwen2 adds qkv bias)

@@ -18,6 +18,7 @@ from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.packed_seq import make_packed_seq_params
 from nemo_anchor.model.rope import install_rope_precision_hook, rope_fusion_allowed
 from nemo_anchor.model.spec import get_block_spec, get_layer_spec
+from nemo_anchor.model.vocab import PaddedVocabGPTModel, padded_vocab_size
 
 
 @dataclass
@@ -105,21 +106,23 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, *, bf16: bool = False, sp
                     config: AnchorTransformerConfig | None = None) -> GPTModel:
     """Build the model, or this pipeline stage of it (``pre_process``: embeddings, ``post_process``: logits).
 
+    ``vocab_size`` is the true vocabulary: a tensor-parallel split it does not divide pads it, and the
+    padding stays out of the logits and the checkpoints (:mod:`nemo_anchor.model.vocab`).
     Megatron's parallel state must be initialised with the config's sizes (``nemo_anchor.parallel``).
     Parameters are fp32; ``bf16`` only records the compute dtype (wrap in ``Float16Module`` to cast).
     ``config``: Megatron's config to build with, default ``transformer_config(cfg, bf16=bf16)``.
     """
     install_rope_precision_hook()
-    if vocab_size % cfg.tensor_model_parallel_size:
-        raise ValueError(f"model.vocab_size={vocab_size} must be divisible by model.tensor_model_parallel_size="
-                         f"{cfg.tensor_model_parallel_size} (the embedding and logits are split by vocabulary)")
     if config is None:
         config = transformer_config(cfg, bf16=bf16)
-    return GPTModel(
+    padded = padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size)
+    padding = {} if padded == vocab_size else {"true_vocab_size": vocab_size}
+    return (PaddedVocabGPTModel if padding else GPTModel)(
+        **padding,
         config=config,
         transformer_layer_spec=get_block_spec(get_layer_spec(cfg.attention_type, cfg.attention_backend,
                                                              spec_backend_te), config),
-        vocab_size=vocab_size,
+        vocab_size=padded,
         max_sequence_length=cfg.seq_length,
         pre_process=pre_process,
         post_process=post_process,

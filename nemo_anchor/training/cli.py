@@ -2,7 +2,8 @@
 ``nemo-anchor plan --config FILE --gpus N --gpu-memory GB|CARD``: the per-GPU memory of that run.
 
 A user error (a bad key or value, data that does not fit, a refused resume, an output_dir in use)
-is one line from rank 0, ``nemo-anchor train: error: ...``, and exit status 2 on every rank.
+is one line from rank 0, ``nemo-anchor train: error: ...``, and exit status 2 on every rank
+(:func:`nemo_anchor.cli.run_command`).
 """
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import json
 import os
 import sys
 from dataclasses import asdict
-
-EXIT_USER_ERROR = 2  # as argparse exits on a bad command line
 
 
 def register(subparsers) -> None:
@@ -73,22 +72,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 when training reached trainer.max_steps; EXIT_INTERRUPTED after a SIGTERM/SIGINT (checkpoint saved);
-    EXIT_USER_ERROR after a user error, printed as one line by rank 0."""
-    import torch.distributed as dist
-
-    try:
-        return _train(args)
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as err:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank meets the same error; one says it
-            message = " ".join(str(err).split())  # one line, whatever the library's message looked like
-            print(f"nemo-anchor train: error: {message}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return EXIT_USER_ERROR
-
-
-def _train(args: argparse.Namespace) -> int:
+    """0 when training reached trainer.max_steps; EXIT_INTERRUPTED after a SIGTERM/SIGINT (checkpoint saved)."""
     import torch.distributed as dist
 
     from nemo_anchor.training.config import load_config
@@ -107,25 +91,25 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _vocab_size(config) -> int:
-    if config.model.vocab_size:
-        return config.model.vocab_size
-    from nemo_anchor.data import PackedDataset
-    from nemo_anchor.model.config import padded_vocab_size
+    """The vocabulary rows of the planned layout: model.vocab_size (default the tokenizer's), padded
+    for its tensor parallelism."""
+    from nemo_anchor.model.vocab import padded_vocab_size
 
-    try:
-        tokenizer_vocab = PackedDataset(config.data.path).tokenizer.vocab_size
-    except (FileNotFoundError, ValueError) as err:
-        raise ValueError(f"set model.vocab_size, or data.path to a packed dataset to read it from ({err})") from None
-    return padded_vocab_size(tokenizer_vocab, config.model.tensor_model_parallel_size)
+    vocab = config.model.vocab_size
+    if not vocab:
+        from nemo_anchor.data import PackedDataset
+
+        try:
+            vocab = PackedDataset(config.data.path).tokenizer.vocab_size
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(f"set model.vocab_size, or data.path to a packed dataset to read it from ({err})") \
+                from None
+    return padded_vocab_size(vocab, config.model.tensor_model_parallel_size)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """0 when the plan fits, 1 when it does not, 2 (one ``error:`` line) for a config or layout that cannot run."""
-    try:
-        plan, fix, host = _plan(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"nemo-anchor plan: error: {error}", file=sys.stderr)
-        return 2
+    """0 when the plan fits, 1 when it does not (a config or layout that cannot run raises ValueError)."""
+    plan, fix, host = _plan(args)
     if args.json:
         print(json.dumps({**plan.as_dict(), "config": str(args.config), "suggestion": fix,
                           "checkpoint_host_bytes": asdict(host)}, indent=2))
@@ -181,7 +165,10 @@ def format_plan(plan, name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pretrain.py", description=__doc__)
+    from nemo_anchor.cli import IntermixedParser, run_command
+
+    parser = IntermixedParser(prog="pretrain.py", description=__doc__)
     add_arguments(parser)
     add_train_arguments(parser)
-    return run(parser.parse_args(argv))
+
+    return run_command("train", run, parser.parse_args(argv))

@@ -14,6 +14,7 @@ from nemo_anchor.convert.hf_mapping import check_hf_weights
 from nemo_anchor.convert.hf_slices import has_safetensors, sliced_state
 from nemo_anchor.convert.megatron_state import check_state, load_into_model
 from nemo_anchor.convert.sources import HF, NEMO_ANCHOR, checkpoint_kind, read_checkpoint, read_model_config
+from nemo_anchor.convert.weight_match import config_key_explainer, match_weights
 from nemo_anchor.hf_dir import CONFIG_FILE, hf_weight_shapes, read_hf_tensors
 from nemo_anchor.training.checkpoint import load_weights
 
@@ -35,7 +36,7 @@ def init_model_from_hf(model: torch.nn.Module, path: str | os.PathLike) -> None:
     kind = checkpoint_kind(path)
     if kind == HF and has_safetensors(path):
         config, source = read_model_config(path)
-        _check_structure(model, config, source)
+        _check_structure(model, config, source, head="lm_head.weight")
         # every tensor of the files used, every one the config describes present: from the headers alone
         check_hf_weights(hf_weight_shapes(path), config, config.vocab_size, source=str(path),
                          config_source=str(Path(path) / CONFIG_FILE), read=lambda names: read_hf_tensors(path, names))
@@ -48,12 +49,23 @@ def init_model_from_hf(model: torch.nn.Module, path: str | os.PathLike) -> None:
         load_weights(model, source)
     else:
         ckpt = read_checkpoint(path)
-        _check_structure(model, ckpt.config, ckpt.path)
+        _check_structure(model, ckpt.config, ckpt.path, head="lm_head.weight" if ckpt.kind == HF else None)
         load_into_model(model, ckpt.state, source=str(ckpt.path))
 
 
-def _check_structure(model: torch.nn.Module, config, source) -> None:
+def _check_structure(model: torch.nn.Module, config, source, head: str | None = None) -> None:
+    """ValueError naming the key when ``config`` (the source's) gives weights of other shapes than the
+    model being trained, or an output layer it would drop or lacks (``head``: the source's name for it)."""
     for ours, theirs in _STRUCTURE:
         have, want = getattr(model.config, ours), getattr(config, theirs)
         if have != want:
             raise ValueError(f"{source}: {theirs}={want} but the model being trained has {ours}={have}")
+    if not getattr(model, "post_process", True):
+        return  # a pipeline stage without the output layer
+    head = head or "output_layer.weight"
+    tied = model.share_embeddings_and_output_weights
+    shape = (getattr(model, "true_vocab_size", model.vocab_size), model.config.hidden_size)
+    match_weights({} if config.tie_embeddings else {head: shape}, {} if tied else {head: shape}, source=str(source),
+                  explain=config_key_explainer("the model being trained", {}, {}, is_layer=lambda name: False,
+                                               layers="", head=head, tied=f"model.tie_embeddings={tied}",
+                                               fallback=""))

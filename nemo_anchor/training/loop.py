@@ -23,7 +23,7 @@ import torch.distributed as dist
 from nemo_anchor.atomic import OutputError, atomic_file, check_not_an_input, write_faults_named, written_by
 from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, load_tokenizer, rank_microbatches
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
-from nemo_anchor.model.config import padded_vocab_size
+from nemo_anchor.model.vocab import padded_vocab_size
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, checkpoint_step, read_run_config
@@ -217,8 +217,7 @@ class Trainer:
             if recorded is not None and recorded != dataset.tokenizer.vocab_size:
                 raise ValueError(f"{key}={dataset.path}: metadata.json says vocab_size={recorded} but its tokenizer/ "
                                  f"has {dataset.tokenizer.vocab_size} tokens: the dataset is inconsistent; repack it")
-        vocab_size = cfg.model.vocab_size or padded_vocab_size(train.tokenizer.vocab_size,
-                                                               cfg.model.tensor_model_parallel_size)
+        vocab_size = cfg.model.vocab_size or train.tokenizer.vocab_size  # a tensor-parallel layout pads it
         self._check_tokenizers(train, valid)
         for dataset in (train, valid) if valid is not None else (train,):
             dataset.check_token_ids(vocab_size)
@@ -390,9 +389,10 @@ class Trainer:
         options = dict(gpu_bytes=torch.cuda.get_device_properties(self.ctx.device).total_memory,
                        micro_batch_size=t.micro_batch_size, bf16=t.precision == "bf16",
                        distributed_optimizer=t.distributed_optimizer)
-        plan = memory.plan_memory(m, m.vocab_size, layout, **options)
+        vocab = padded_vocab_size(m.vocab_size, layout.tensor)
+        plan = memory.plan_memory(m, vocab, layout, **options)
         if not plan.fits:
-            fix = memory.suggest(m, m.vocab_size, layout, **options)
+            fix = memory.suggest(m, vocab, layout, **options)
             self._say(f"warning: nemo-anchor plan estimates {plan.total / memory.GIB:.1f} GiB per GPU, more than "
                       f"the {plan.gpu_bytes / memory.GIB:.1f} GiB of this one" + (f"; try {fix}" if fix else ""))
 

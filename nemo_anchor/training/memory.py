@@ -29,6 +29,7 @@ bias-SwiGLU saves only its input (not the two activation intermediates).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -83,6 +84,8 @@ def gpu_memory(spec: str | float) -> tuple[int, str]:
         nominal = math.nan
     if not math.isfinite(nominal) or nominal <= 0:
         raise ValueError(f"{spec!r} is neither a GPU ({', '.join(GPU_CARDS)}) nor a finite size in GB greater than 0")
+    if not math.isfinite(nominal * GIB):  # the plan counts bytes
+        raise ValueError(f"{spec!r} GB is more bytes than a float holds (at most {sys.float_info.max / GIB:.3g} GB)")
     if nominal == 80:
         card = GPU_CARDS["h100-80gb"]
         return int(card.usable_gib * GIB), f"80 GB (H100/A100 80GB): {card.usable_gib:g} GiB usable ({card.source})"
