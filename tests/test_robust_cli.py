@@ -3,7 +3,8 @@ with one line ``nemo-anchor COMMAND: error: ...`` (as argparse does for a bad co
 traceback, and key=value overrides may stand on either side of options."""
 import pytest
 
-from nemo_anchor.cli import EXIT_USER_ERROR, SUBCOMMANDS, main
+from nemo_anchor.cli import SUBCOMMANDS, main
+from nemo_anchor.command import EXIT_USER_ERROR
 from nemo_anchor.export import pretrained
 
 # subcommand -> arguments naming inputs that do not exist ({tmp}: this test's folder)

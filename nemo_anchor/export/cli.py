@@ -64,6 +64,6 @@ def run_prepare_smollm2(args: argparse.Namespace) -> int:
 
 
 def _printing(write) -> int:
-    """Run ``write`` and print the path it returns (bad input: :func:`nemo_anchor.cli.run_command`)."""
+    """Run ``write`` and print the path it returns (bad input: :func:`nemo_anchor.command.run_command`)."""
     print(write())
     return 0

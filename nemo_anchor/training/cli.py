@@ -3,7 +3,7 @@
 
 A user error (a bad key or value, data that does not fit, a refused resume, an output_dir in use)
 is one line from rank 0, ``nemo-anchor train: error: ...``, and exit status 2 on every rank
-(:func:`nemo_anchor.cli.run_command`).
+(:func:`nemo_anchor.command.run_command`).
 """
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def format_plan(plan, name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_anchor.cli import IntermixedParser, run_command
+    from nemo_anchor.command import IntermixedParser, run_command
 
     parser = IntermixedParser(prog="pretrain.py", description=__doc__)
     add_arguments(parser)
