@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from nemo_anchor.atomic import atomic_directory
-from nemo_anchor.export.hf_mapping import HF_CLASSES, check_hf_weights, megatron_to_hf_state, to_hf_config
+from nemo_anchor.export.hf_mapping import HF_CLASSES, check_hf_dir, megatron_to_hf_state, to_hf_config
 from nemo_anchor.export.megatron_state import build_model, load_into_model
 from nemo_anchor.export.sources import LoadedCheckpoint, read_checkpoint
-from nemo_anchor.hf_dir import CONFIG_FILE, hf_weight_shapes, read_hf_tensors, require_hf_dir
+from nemo_anchor.hf_dir import require_hf_dir
 
 # Megatron TransformerConfig fields that fix every weight's shape: a mismatch is named before loading.
 _STRUCTURE = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("ffn_hidden_size", "ffn_hidden_size"),
@@ -125,8 +125,7 @@ def init_model_from_hf(model: torch.nn.Module, path: str | os.PathLike) -> None:
         config, source = read_model_config(path)
         _check_structure(model, config, source)
         # every tensor of the files used, every one the config describes present: from the headers alone
-        check_hf_weights(hf_weight_shapes(path), config, config.vocab_size, source=str(path),
-                         config_source=str(Path(path) / CONFIG_FILE), read=lambda names: read_hf_tensors(path, names))
+        check_hf_dir(path, config)
         with sliced_state(path, config) as state:
             check_state(state, config, state["embedding.word_embeddings.weight"].shape[0], source=str(path))
             load_into_model(model, state, source=str(path))
