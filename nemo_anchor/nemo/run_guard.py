@@ -20,12 +20,11 @@ Our names for NeMo's settings (what the comparison and the messages use)::
     trainer.*                  global_batch_size, micro_batch_size (the data module's), max_steps, precision
     optim.*                    lr, min_lr, weight_decay, clip_grad, beta1, beta2, eps (OptimizerConfig's), schedule
 """
-from __future__ import annotations
 
 import contextlib
 import signal
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -78,8 +77,8 @@ class AnchorRunGuard(pl.Callback):
             key takes the new optimizer settings (lr, min_lr, weight decay) on the resumed run, as ours does.
     """
 
-    def __init__(self, allow_change: Sequence[str] = ()):
-        self.allow_change = list(allow_change)
+    def __init__(self, allow_change: Optional[List[str]] = None):  # List: what NeMo-Run's command line parses
+        self.allow_change = list(allow_change or [])
         resume.check_allow_list(self.allow_change)
         self._claim: Optional[RunClaim] = None
         self._record: dict = {}

@@ -75,6 +75,30 @@ def test_round_trip_keeps_every_tensor_and_the_rope(tmp_path):
         bridge.import_hf(hf, hf / "inside")
 
 
+@pytest.mark.parametrize("fault,expected", [
+    ("missing", r"the weights lack tensor model\.layers\.1\.mlp\.down_proj\.weight of shape \(32, 64\), which "
+                r".*config\.json \(num_hidden_layers=2\) needs"),
+    ("extra layer", r"the weights lack tensor model\.layers\.2\.\S+ of shape \(\d+,( \d+)?\), which "
+                    r".*config\.json \(num_hidden_layers=3\) needs"),
+], ids=["missing-tensor", "config-has-a-layer-more"])
+def test_import_refuses_hf_weights_that_disagree_with_their_config(tmp_path, fault, expected):
+    """AutoBridge builds the HF model through transformers, which fills what the files lack at random: the import
+    is refused naming the tensor, its shape and the config.json key (the rule import-hf and NeMo's importer apply)."""
+    from safetensors.torch import save_file
+
+    hf = save_tiny_llama(tmp_path / "hf")
+    if fault == "missing":
+        tensors = load_file(hf / "model.safetensors")
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+        save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    else:
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=expected):
+        bridge.import_hf(hf, tmp_path / "megatron")
+    assert not (tmp_path / "megatron").exists()
+
+
 def test_smollm2_round_trip_keeps_every_tensor(tmp_path, smollm2_dir):
     back = bridge.export_hf(bridge.import_hf(smollm2_dir, tmp_path / "megatron"), tmp_path / "back")
     assert_same_tensors(smollm2_dir, back)
