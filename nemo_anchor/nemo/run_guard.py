@@ -182,9 +182,15 @@ class AnchorPreemption(PreemptionCallback):
         self.signals, self.exit_code = tuple(signals), exit_code
         self._device = torch.device("cpu")
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The handlers go in before the data loader's workers start (NeMo's go in at on_train_start, after): the
+        workers inherit them, so a signal to the whole process group (Slurm, torchrun) does not kill them."""
+        if stage == "fit" and self._handler_context is None and self.preemption_supported:
+            self._handler_context = self._preemption_handler()
+            self._handler_context.__enter__()
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._device = pl_module.device
-        super().on_train_start(trainer, pl_module)
 
     @contextlib.contextmanager
     def _preemption_handler(self):  # overrides nemo/lightning/pytorch/callbacks/preemption.py:78 (one signal)

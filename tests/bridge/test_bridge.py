@@ -222,3 +222,68 @@ def test_recipes_build_and_the_context_extension_fits_the_planner():
     assert scaled.model.rope_scaling and scaled.model.rope_scaling_factor == 8.0 and scaled.model.rotary_base == 5e5
     with pytest.raises(ValueError, match="no context-parallel size up to 1"):
         llama3_context_extension(131_072, gpus=1, gpu_gib=80)
+
+
+# ---------------------------------------------------------------- the run guards of nemo-anchor train on pretrain()
+
+def bridge_run(config, megatron, save, *args):
+    """``python -m nemo_anchor.bridge.pretrain`` as bridge_pretrain runs it, not checked: (exit status, output)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "nemo_anchor.bridge.pretrain", "--config", str(config),
+                          f"checkpoint.pretrained_checkpoint={megatron}", f"checkpoint.save={save}",
+                          f"checkpoint.load={save}", "--peak-tflops", "1", *args],
+                         env=env, capture_output=True, text=True, timeout=600)
+    return run.returncode, run.stdout + run.stderr
+
+
+def pack_texts(root, texts, tokenizer="byte"):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert cli(["pack", "--input", str(root / "corpus.jsonl"), "--tokenizer", tokenizer, "--seq-length", "64",
+                "--output", str(root / "packed")]) == 0
+    return root / "packed"
+
+
+def test_resume_on_other_data_is_refused_and_a_listed_change_applies(start, straight, tmp_path):
+    """`nemo-anchor train`'s resume comparison on Bridge's resume: other data refused naming data.path (nothing
+    trained); a new lr refused naming optim.lr, then allowed by --allow-change and used from the next step."""
+    root, megatron, config = start
+    save = straight[0]
+    metrics = (save / "metrics.jsonl").read_text()
+    other = pack_texts(tmp_path / "other", [text[::-1] for text in TEXTS])
+    status, out = bridge_run(config, megatron, save, f"dataset.path={other}", "train.train_iters=7")
+    assert status != 0 and f"data.path={other} is not the packed dataset it was trained on" in out, out[-3000:]
+    status, out = bridge_run(config, megatron, save, "optimizer.lr=5e-4", "train.train_iters=7")
+    assert status != 0 and "optim.lr was 0.001, the new config has 0.0005" in out, out[-3000:]
+    assert (save / "metrics.jsonl").read_text() == metrics
+    status, out = bridge_run(config, megatron, save, "optimizer.lr=5e-4", "train.train_iters=7",
+                             "--allow-change", "optim.lr")
+    assert status == 0, out[-3000:]
+    rows = {r["step"]: r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines())}
+    assert rows[6]["lr"] == 1e-3 and rows[7]["lr"] == 5e-4
+
+
+def test_data_of_another_tokenizer_is_refused_before_the_first_step(start, smollm2_dir, tmp_path):
+    root, megatron, config = start
+    other = pack_texts(tmp_path / "smollm2", TEXTS, tokenizer=str(smollm2_dir))
+    status, out = bridge_run(config, megatron, tmp_path / "run", f"dataset.path={other}")
+    assert status != 0 and f"dataset.path={other} was tokenized with" in out, out[-3000:]
+    assert f"checkpoint.pretrained_checkpoint={megatron}" in out and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_second_run_into_the_same_checkpoint_save_is_refused(start, tmp_path):
+    """While a run holds checkpoint.save (its lock, as nemo-anchor train's), another run is refused naming its
+    host and pid, before writing anything there."""
+    from nemo_anchor.run_dir import RunDir, RunLock
+
+    root, megatron, config = start
+    save = tmp_path / "held"
+    save.mkdir()
+    holder = RunLock(RunDir(save).lock)
+    holder.acquire()
+    try:
+        status, out = bridge_run(config, megatron, save)
+    finally:
+        holder.release()
+    assert status != 0 and f"is in use by another training run (host {os.uname().nodename}, pid {os.getpid()}" in out
+    assert sorted(p.name for p in save.iterdir()) == []
