@@ -10,6 +10,8 @@
   ``checkpoint.save/run_guard.json`` when the run starts, and a changed key is refused naming it and
   both values unless ``--allow-change`` lists it; an allowed LR-schedule key sets Bridge's
   ``scheduler.override_opt_param_scheduler`` (Megatron-LM's ``--override-opt-param-scheduler``).
+  ``optim.lr``, ``optim.min_lr`` and ``optim.weight_decay`` stay refused even when allowed:
+  Megatron-Core cannot load the optimizer state under new ones (the refusal says so).
 - Preemption: Bridge's own ``train.exit_signal_handler`` (on, for ``train.exit_signal``, SIGTERM by
   default; Slurm's ``--signal=USR1@120`` wants ``train.exit_signal=10``) saves and ends the run;
   :func:`checked` turns that end into ``nemo-anchor train``'s status 75, so the same command resumes.
@@ -86,6 +88,13 @@ def check(config, allow_change: list[str]) -> dict:
             record["data"], allow_hint="pass --allow-change {key}",
             restart_hint="save into a new checkpoint.save (checkpoint.pretrained_checkpoint={checkpoint} "
                          "starts from its weights)")
+        keyed = [key for key in ("optim.lr", "optim.min_lr", "optim.weight_decay") if key in changed]
+        if keyed:  # allowed, or compare would have refused them
+            raise resume.ResumeRefused(
+                f"cannot resume {config.checkpoint.load} with {keyed[0]}={changed[keyed[0]][1]!r} (was "
+                f"{changed[keyed[0]][0]!r}): Megatron-Core's optimizer finds its saved state by each parameter group's "
+                f"lr, min_lr and weight decay (megatron/core/optimizer/optimizer.py:640) and cannot load it under new "
+                f"ones; resume with {keyed[0]}={changed[keyed[0]][0]!r}, or change it with nemo-anchor train or NeMo")
         if resume.overrides_schedule(changed, allow_change):
             config.scheduler.override_opt_param_scheduler = True
             config.scheduler.use_checkpoint_opt_param_scheduler = False

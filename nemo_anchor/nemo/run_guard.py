@@ -169,6 +169,14 @@ class AnchorRunGuard(pl.Callback):
             self._claim = None
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: the worker ignores :data:`PREEMPTION_SIGNALS`. Slurm, Kubernetes and torchrun
+    signal the whole process group; torch's workers die of SIGTERM (torch/utils/data/_utils/worker.py:269), and
+    the main process, still saving, then fails on the dead worker. The loader stops its workers itself."""
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class AnchorPreemption(PreemptionCallback):
     """NeMo's ``PreemptionCallback`` for SIGTERM, SIGINT and SIGUSR1, exiting with status 75 after the save.
 
@@ -182,15 +190,12 @@ class AnchorPreemption(PreemptionCallback):
         self.signals, self.exit_code = tuple(signals), exit_code
         self._device = torch.device("cpu")
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """The handlers go in before the data loader's workers start (NeMo's go in at on_train_start, after): the
-        workers inherit them, so a signal to the whole process group (Slurm, torchrun) does not kill them."""
-        if stage == "fit" and self._handler_context is None and self.preemption_supported:
-            self._handler_context = self._preemption_handler()
-            self._handler_context.__enter__()
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """As NeMo's, the handlers go in here, after Lightning's (which would end the run with SIGTERMException
+        without a save, lightning/pytorch/loops/training_epoch_loop.py:310); the loader's workers, started before,
+        ignore the signals (:func:`ignore_stop_signals`)."""
         self._device = pl_module.device
+        super().on_train_start(trainer, pl_module)
 
     @contextlib.contextmanager
     def _preemption_handler(self):  # overrides nemo/lightning/pytorch/callbacks/preemption.py:78 (one signal)
