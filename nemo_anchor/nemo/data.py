@@ -21,7 +21,6 @@ from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTo
 from nemo.lightning.pytorch.plugins import MegatronDataSampler
 
 from nemo_anchor.data import PackedDataset, collate_windows
-from nemo_anchor.nemo.run_guard import ignore_stop_signals
 
 
 class AnchorPackedDataModule(pl.LightningDataModule):
@@ -79,8 +78,7 @@ class AnchorPackedDataModule(pl.LightningDataModule):
         self.init_global_step = self.trainer.global_step if self.trainer is not None else 0
         self.data_sampler.init_global_step = self.init_global_step
         return DataLoader(dataset, batch_size=self.micro_batch_size, num_workers=self.num_workers,
-                          collate_fn=collate_windows, persistent_workers=self.num_workers > 0,
-                          worker_init_fn=ignore_stop_signals)  # a signal to the process group stops the run, saved
+                          collate_fn=collate_windows, persistent_workers=self.num_workers > 0)
 
     def state_dict(self) -> Dict[str, Any]:
         """Saved with each checkpoint: the windows (samples) the run has consumed."""

@@ -23,6 +23,7 @@ Our names for NeMo's settings (what the comparison and the messages use)::
 
 import contextlib
 import signal
+import threading
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
@@ -169,14 +170,6 @@ class AnchorRunGuard(pl.Callback):
             self._claim = None
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader ``worker_init_fn``: the worker ignores :data:`PREEMPTION_SIGNALS`. Slurm, Kubernetes and torchrun
-    signal the whole process group; torch's workers die of SIGTERM (torch/utils/data/_utils/worker.py:269), and
-    the main process, still saving, then fails on the dead worker. The loader stops its workers itself."""
-    for sig in PREEMPTION_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
 class AnchorPreemption(PreemptionCallback):
     """NeMo's ``PreemptionCallback`` for SIGTERM, SIGINT and SIGUSR1, exiting with status 75 after the save.
 
@@ -189,13 +182,33 @@ class AnchorPreemption(PreemptionCallback):
         super().__init__(sig=signals[0])
         self.signals, self.exit_code = tuple(signals), exit_code
         self._device = torch.device("cpu")
+        self._mask = None  # the signal mask before setup blocked the signals
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Block the signals until :meth:`on_train_start`: the data loader's workers, started in between, inherit the
+        block and never see them (torch's workers die of SIGTERM, torch/utils/data/_utils/worker.py:269, and the
+        main process, still saving, then fails on the dead worker; NeMo rebuilds the loader without a
+        ``worker_init_fn``, nemo/lightning/data.py:224). Slurm, Kubernetes and torchrun signal the whole group."""
+        if stage == "fit" and self._mask is None and threading.current_thread() is threading.main_thread():
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()  # it unblocks SIGINT/SIGTERM in its caller when started later
+            self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """As NeMo's, the handlers go in here, after Lightning's (which would end the run with SIGTERMException
-        without a save, lightning/pytorch/loops/training_epoch_loop.py:310); the loader's workers, started before,
-        ignore the signals (:func:`ignore_stop_signals`)."""
+        without a save, lightning/pytorch/loops/training_epoch_loop.py:310); then a signal held meanwhile arrives."""
         self._device = pl_module.device
         super().on_train_start(trainer, pl_module)
+        self._unblock()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._unblock()
+
+    def _unblock(self) -> None:
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+            self._mask = None
 
     @contextlib.contextmanager
     def _preemption_handler(self):  # overrides nemo/lightning/pytorch/callbacks/preemption.py:78 (one signal)
