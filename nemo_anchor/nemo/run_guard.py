@@ -8,7 +8,8 @@
   are saved in every checkpoint (the callback's state) and a changed key is refused naming it and
   both values. ``allow_change`` is ``nemo-anchor train --allow-change``: the same keys
   (``optim.lr``, ``trainer.global_batch_size``, ``optim.clip_grad``...), set in a recipe as
-  ``trainer.callbacks[...].allow_change`` or with :func:`allow_change`.
+  ``recipe.trainer.callbacks[1].allow_change = ["optim.lr"]``, or on NeMo-Run's command line as
+  ``'trainer.callbacks[1].allow_change=["optim.lr"]'``.
 - :class:`AnchorPreemption`: NeMo's ``PreemptionCallback`` on SIGTERM, SIGINT and SIGUSR1 (Slurm's
   ``--signal=USR1@120``): the step in progress finishes, the last checkpoint is saved and the
   process exits with ``nemo-anchor train``'s status 75, so the same command resumes.
