@@ -275,3 +275,73 @@ def test_hf_import_writes_every_weight_or_names_the_one_it_cannot(llm, tiny_byte
     with_qk_norm.configure_model()
     with pytest.raises(UnmappedWeightError, match=r"unwritten: .*decoder\.layers\.0\.self_attention\.q_layernorm\.weight"):
         importer.convert_state(hf, with_qk_norm)
+
+
+def _drop_tensor(hf_dir: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = hf_dir / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors[name]
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def _edit_config(hf_dir: Path, **changes) -> None:
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("fault,expected", [
+    ("missing", r"the weights lack tensor model\.layers\.0\.mlp\.down_proj\.weight of shape \(16, 32\), which "
+                r".*config\.json \(num_hidden_layers=1\) needs"),
+    ("extra layer", r"the weights lack tensor model\.layers\.1\.\S+ of shape \(\d+,( \d+)?\), which "
+                    r".*config\.json \(num_hidden_layers=2\) needs"),
+    ("shape", r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape \((32, 16|16, 32)\) in the weights, but "
+              r".*config\.json \(intermediate_size=48\) makes it \((48, 16|16, 48)\)"),
+], ids=["missing-tensor", "config-has-a-layer-more", "config-shape"])
+def test_nemo_import_refuses_hf_weights_that_disagree_with_their_config(llm, tiny_byte_llama, tmp_path, fault,
+                                                                         expected):
+    """``llm.import_ckpt`` (what ``nemo llm import`` runs): transformers would fill the tensor or layer at random;
+    the import is refused naming the tensor, its shapes and the config.json key, and writes nothing."""
+    from nemo_anchor.nemo import AnchorLlamaConfig, AnchorLlamaModel
+
+    hf_dir = tiny_byte_llama(tmp_path / "hf")
+    if fault == "missing":
+        _drop_tensor(hf_dir, "model.layers.0.mlp.down_proj.weight")
+    elif fault == "extra layer":
+        _edit_config(hf_dir, num_hidden_layers=2)
+    else:
+        _edit_config(hf_dir, intermediate_size=48)
+    with pytest.raises(ValueError, match=expected):
+        llm.import_ckpt(model=AnchorLlamaModel(AnchorLlamaConfig()), source=f"hf://{hf_dir}",
+                        output_path=tmp_path / "nemo")
+    assert not (tmp_path / "nemo").exists()
+
+
+def test_nemo_export_refuses_weights_that_disagree_with_the_checkpoint_config(llm, packed, tmp_path):
+    """A NeMo 2 checkpoint whose context says one layer more than its weights hold: ``llm.export_ckpt`` names
+    the layer count instead of NeMo's advice to load less strictly (``ckpt_load_strictness``)."""
+    from megatron.core import dist_checkpointing
+    from nemo import lightning as nl
+    from nemo.lightning.io.pl import TrainerContext
+
+    from nemo_anchor.nemo import AnchorLlamaConfig, AnchorLlamaModel
+    from nemo_anchor.nemo.data import AnchorPackedDataModule
+
+    data = AnchorPackedDataModule(str(packed), seq_length=SEQ, num_workers=0)
+    model = AnchorLlamaModel(tiny(AnchorLlamaConfig), tokenizer=data.tokenizer)
+    model.configure_model()
+    checkpoint = tmp_path / "nemo2"
+    (checkpoint / "weights").mkdir(parents=True)
+    dist_checkpointing.save(model.module.sharded_state_dict(prefix="module."), str(checkpoint / "weights"))
+    TrainerContext(model=model, trainer=nl.Trainer(accelerator="cpu", devices=1), extra={}).io_dump(
+        checkpoint / "context", yaml_attrs=["model"])
+    assert llm.export_ckpt(path=checkpoint, target="hf", output_path=tmp_path / "hf").is_dir()  # intact: exports
+
+    model_yaml = checkpoint / "context" / "model.yaml"
+    model_yaml.write_text(model_yaml.read_text().replace("num_layers: 2", "num_layers: 3"))
+    (checkpoint / "context" / "io.json").write_text(
+        (checkpoint / "context" / "io.json").read_text().replace('"num_layers": 2', '"num_layers": 3'))
+    with pytest.raises(ValueError, match=r"stacks \(2,\) layers, the model config has num_layers=3") as refused:
+        llm.export_ckpt(path=checkpoint, target="hf", output_path=tmp_path / "hf-again")
+    assert "strict" not in str(refused.value) and not (tmp_path / "hf-again").exists()

@@ -80,8 +80,14 @@ def data(smollm2_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def straight(data, tmp_path_factory):
-    return _pretrain(RECIPE, _command(data, tmp_path_factory.mktemp("straight"), 6))
+def straight_dir(tmp_path_factory):
+    """The log directory of ``straight``; the run-guard tests resume it last (test_resume_allows_...)."""
+    return tmp_path_factory.mktemp("straight")
+
+
+@pytest.fixture(scope="module")
+def straight(data, straight_dir):
+    return _pretrain(RECIPE, _command(data, straight_dir, 6))
 
 
 def test_the_issue_command_trains_smollm2_on_the_cpu(straight):
@@ -192,3 +198,114 @@ def test_smollm2_round_trip_through_nemo_is_exact(smollm2_dir, tmp_path):
         assert back.keys() == original.keys(), directory
         changed = [k for k in original if not torch.equal(original[k], back[k].to(original[k].dtype))]
         assert not changed, (directory, changed[:5])
+
+
+# ---------------------------------------------------------------- the run guards of nemo-anchor train on llm.pretrain
+
+def _nemo(args: list[str], **popen) -> subprocess.CompletedProcess | subprocess.Popen:
+    """The ``nemo`` CLI, not checked: run to the end, or started (``popen``: Popen's arguments)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    command = [str(NEMO), "llm", "pretrain", "--factory", RECIPE, *args]
+    if popen:
+        return subprocess.Popen(command, env=env, cwd=REPO, text=True, **popen)
+    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def _pack(tmp_path_factory, name: str, tokenizer: str, first: int):
+    root = tmp_path_factory.mktemp(name)
+    records = itertools.islice(stdlib_documents(), first, first + 120)
+    (root / "docs.jsonl").write_text("\n".join(json.dumps({"text": r["text"][:3000]}) for r in records) + "\n")
+    assert cli(["pack", "--input", str(root / "docs.jsonl"), "--tokenizer", tokenizer, "--seq-length", str(SEQ),
+                "--output", str(root / "packed")]) == 0
+    return root / "packed"
+
+
+@pytest.fixture(scope="module")
+def other_data(smollm2_dir, tmp_path_factory):
+    """Other documents, the same tokenizer, window length and size class as ``data``."""
+    return _pack(tmp_path_factory, "nemo_other_data", str(smollm2_dir), 120)
+
+
+def test_resume_on_other_data_is_refused_naming_the_key(straight, straight_dir, other_data):
+    """`nemo-anchor train`'s resume comparison (nemo_anchor.training.resume) on NeMo's AutoResume: refused before
+    anything is restored or trained, naming data.path and both fingerprints; the run's files stay as they were."""
+    metrics = (straight_dir / "anchor_smollm2_135m" / "metrics.jsonl").read_text()
+    done = _nemo(_command(other_data, straight_dir, 8))
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert f"data.path={other_data} is not the packed dataset it was trained on" in out, out[-3000:]
+    assert "fingerprint" in out and "Restored all states" not in out
+    assert (straight_dir / "anchor_smollm2_135m" / "metrics.jsonl").read_text() == metrics
+
+
+def test_resume_allows_a_listed_change_and_applies_it(straight, straight_dir, data):
+    """A new learning rate is refused naming optim.lr, then allowed by the recipe's AnchorRunGuard(allow_change)
+    (NeMo-Run's command line) and used: Megatron's optimizer state would restore the old one."""
+    args = _command(data, straight_dir, 7)
+    args[args.index("optim.config.lr=1e-3")] = "optim.config.lr=5e-4"
+    refused = _nemo(args)
+    assert refused.returncode != 0 and "optim.lr was 0.001, the new config has 0.0005" in refused.stderr + refused.stdout
+    allowed = _nemo(args + ['trainer.callbacks[1].allow_change=["optim.lr"]'])
+    assert allowed.returncode == 0, (allowed.stdout + allowed.stderr)[-3000:]
+    rows = _metrics(straight_dir)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7] and rows[6]["lr"] == 1e-3 and rows[7]["lr"] == 5e-4
+
+
+# restore_path: a SmolLM2-tokenizer checkpoint; the data: packed with the byte tokenizer
+RESTORE_ONTO_OTHER_TOKENS = """
+import sys
+import nemo_run as run
+from nemo_anchor.nemo.recipes import anchor_smollm2_135m
+
+restore, data, log_dir = sys.argv[1:]
+recipe = anchor_smollm2_135m(data_path=data, seq_length=512, restore_path=restore)
+recipe.model.config.num_layers = 2
+recipe.data.global_batch_size, recipe.data.micro_batch_size = 2, 1
+recipe.trainer.devices, recipe.trainer.max_steps = 1, 2
+recipe.log.log_dir = log_dir
+run.run(recipe, direct=True)
+"""
+
+
+def test_data_of_another_tokenizer_is_refused_before_the_first_step(straight, straight_dir, tmp_path_factory,
+                                                                     tmp_path):
+    byte_data = _pack(tmp_path_factory, "nemo_byte_data", "byte", 0)
+    checkpoint = sorted((straight_dir / "anchor_smollm2_135m" / "checkpoints").glob("*-last"))[-1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-c", RESTORE_ONTO_OTHER_TOKENS, str(checkpoint), str(byte_data),
+                           str(tmp_path)], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert f"data.path={byte_data} was tokenized with" in out and "resume.restore_config.path=" in out, out[-3000:]
+    assert not (tmp_path / "anchor_smollm2_135m" / "metrics.jsonl").exists()  # no step taken
+
+
+def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(data, tmp_path):
+    """While a run trains, another one into the same log.log_dir is refused naming its host and pid; SIGTERM to
+    the first one's process group (as Slurm and torchrun send it) saves the step it reached and exits 75."""
+    import signal
+    import time
+
+    log_dir = tmp_path / "log"
+    first = _nemo(_command(data, log_dir, 200), start_new_session=True, stdout=subprocess.PIPE,
+                  stderr=subprocess.STDOUT)
+    metrics = log_dir / "anchor_smollm2_135m" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 540
+        while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            assert first.poll() is None, first.stdout.read()[-3000:]
+            time.sleep(1)
+        second = _nemo(_command(data, log_dir, 200))
+        assert second.returncode != 0 and first.poll() is None
+        assert f"is in use by another training run (host {os.uname().nodename}, pid {first.pid}" in \
+            second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
+        os.killpg(first.pid, signal.SIGTERM)
+        out, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 75, out[-3000:]
+    last = max(_metrics(log_dir))
+    saved = sorted((log_dir / "anchor_smollm2_135m" / "checkpoints").glob("*-last"))
+    assert any(f"step={last - 1}-" in path.name for path in saved)  # NeMo names a checkpoint by its 0-based step
+    assert not (log_dir / "anchor_smollm2_135m" / ".nemo-anchor-train.lock").exists()

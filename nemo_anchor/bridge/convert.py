@@ -3,7 +3,9 @@
 ``import_hf`` gives a Megatron-Bridge checkpoint (``iter_0000000/`` with ``run_config.yaml``: a
 starting point for ``nemo_anchor.bridge.pretrain`` via ``checkpoint.pretrained_checkpoint``)
 whose model is :class:`AnchorGPTModelProvider`'s. ``export_hf`` turns it, or any checkpoint that
-``pretrain`` saved from it, back into a Hugging Face directory. Bridge's config translation needs
+``pretrain`` saved from it, back into a Hugging Face directory. Both compare an HF directory's
+weights with its config.json (``check_hf_dir``, as ``import-hf`` does): the source before an
+import, the staged output before an export is published. Bridge's config translation needs
 the original HF config and tokenizer as a reference; ``import_hf`` keeps them in ``hf_reference/``.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from nemo_anchor.bridge.provider import AnchorGPTModelProvider
+from nemo_anchor.convert.hf_mapping import check_hf_dir
 from nemo_anchor.parallel.distributed import initialize_parallel
 
 HF_REFERENCE = "hf_reference"
@@ -53,6 +56,8 @@ def import_hf(hf_dir, out_dir, attention_type: str = "anchor") -> Path:
     _check_paths(hf_dir, out_dir, "Hugging Face directory")
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir / 'config.json'} is missing: not a Hugging Face model directory")
+    # transformers (under AutoBridge) fills a tensor the files lack, or a layer config.json adds, at random
+    check_hf_dir(hf_dir)
     initialize_parallel()
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch.float32)
     provider = AnchorGPTModelProvider.from_provider(bridge.to_megatron_provider(load_weights=False), attention_type)
@@ -90,6 +95,11 @@ def export_hf(megatron_dir, hf_dir) -> Path:
     model = bridge.load_megatron_model(str(megatron_dir), wrap_with_ddp=False)
     staging = _staging(hf_dir)
     bridge.save_hf_pretrained(model, str(staging), show_progress=False, source_path=str(reference))
+    try:  # every tensor its config.json describes written, and nothing else, before publishing
+        check_hf_dir(staging)
+    except ValueError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return _publish(staging, hf_dir)
 
 

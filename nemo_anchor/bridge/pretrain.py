@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from nemo_anchor import launch
+from nemo_anchor.bridge import run_guard
 from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
 from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
@@ -82,14 +83,23 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--recipe", choices=sorted(RECIPES))
     source.add_argument("--config", help="a `nemo-anchor train` YAML file: its run, configured for Bridge")
     parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: measured)")
+    parser.add_argument("--allow-change", action="append", default=[], metavar="KEY[,KEY]",
+                        help="keys a resume may change, as nemo-anchor train --allow-change (optim.lr, ...)")
     parser.add_argument("overrides", nargs="*", help="ConfigContainer overrides, key=value")
     args = parser.parse_intermixed_args(argv)
-    from megatron.bridge.training.pretrain import pretrain
-
     config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
     apply_overrides(config, args.overrides)
     launch.resolve_bridge_config(config)  # this process's devices decide what the recipe left to them
-    prepare(config)
+    allow_change = [key for value in args.allow_change for key in value.split(",") if key]
+    with run_guard.claimed(config):  # nemo-anchor train's lock, resume comparison, tokenizer check and exit status
+        prepare(config)
+        with run_guard.checked(config, allow_change) as guards:
+            _pretrain(config, [MetricsCallback(args.peak_tflops), *guards])
+
+
+def _pretrain(config, callbacks: list) -> None:
+    from megatron.bridge.training.pretrain import pretrain
+
     if not torch.cuda.is_available():
         # The writer's result queue is a multiprocessing Manager, started with "spawn" on a synchronous
         # save (filesystem_async.py:200): a fresh interpreter that imports this whole stack again, 20-40 s
@@ -98,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
         get_write_results_queue(config.checkpoint.async_write_results_mp_mode)
-    pretrain(config, anchor_forward_step, callbacks=[MetricsCallback(args.peak_tflops)])
+    pretrain(config, anchor_forward_step, callbacks=callbacks)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from nemo_anchor.compat import hf_rope, hf_rope_fields
 from nemo_anchor.convert.megatron_state import fuse_qkv, split_qkv
 from nemo_anchor.convert.weight_match import config_key_explainer, match_weights
+from nemo_anchor.hf_dir import CONFIG_FILE, hf_weight_shapes, read_hf_tensors
 from nemo_anchor.model.config import LLAMA3_ROPE, ModelConfig
 
 # HF rope_scaling keys we read, per rope_type, with the values Megatron-Core implements (None: any value)
@@ -282,3 +284,24 @@ def check_hf_weights(found: Mapping[str, tuple[int, ...]], cfg: ModelConfig, voc
             if torch.equal(pair["lm_head.weight"], pair["model.embed_tokens.weight"]):
                 found = {name: shape for name, shape in found.items() if name != "lm_head.weight"}
     match_weights(found, expected, source=source, explain=hf_config_key(cfg, vocab_size, config_source))
+
+
+def check_hf_dir(path, cfg: Optional[ModelConfig] = None) -> ModelConfig:
+    """ValueError unless the weights files of HF directory ``path`` hold exactly the tensors its config.json
+    describes, compared from the safetensors headers before anything is built from them; returns the config.
+
+    The one check of an HF directory that every door runs before reading one: ``import-hf``,
+    ``model.init_from_hf``, ``eval``/``probe``, NeMo's importer and exporter (``nemo_anchor.nemo.hf_io``)
+    and Megatron-Bridge's (``nemo_anchor.bridge.convert``). transformers (and the converters built on
+    it) would initialise a tensor the files lack, or a layer config.json adds, at random without an error.
+    ``cfg``: the config already read from ``path`` (read here when None).
+    """
+    path = Path(path)
+    if cfg is None:
+        import transformers
+
+        cfg = model_config_from_hf(transformers.AutoConfig.from_pretrained(path, local_files_only=True),
+                                   source=str(path / CONFIG_FILE))
+    check_hf_weights(hf_weight_shapes(path), cfg, cfg.vocab_size, source=str(path),
+                     config_source=str(path / CONFIG_FILE), read=lambda names: read_hf_tensors(path, names))
+    return cfg

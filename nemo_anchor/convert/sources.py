@@ -125,6 +125,48 @@ def _read_nemo2(path: Path) -> LoadedCheckpoint:
     return _checked(path, NEMO2, config, state, _nemo2_tokenizer_dir(path / "context", nemo.get("tokenizer")))
 
 
+def check_nemo2_weights(checkpoint: Path, config: Optional[ModelConfig] = None) -> ModelConfig:
+    """ValueError unless the weights of NeMo 2 checkpoint ``checkpoint`` are the tensors ``config`` (default: its
+    ``context/model.yaml``) describes, compared from the ``dist_checkpointing`` metadata alone, before NeMo
+    loads them (NeMo's own error on a mismatch suggests loading less strictly); returns the config."""
+    from megatron.core import dist_checkpointing
+
+    from nemo_anchor.parallel.distributed import ensure_initialized
+
+    weights = checkpoint / "weights"
+    if config is None:
+        model_yaml = checkpoint / "context" / "model.yaml"
+        try:
+            nemo = yaml.safe_load(model_yaml.read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ValueError(f"{model_yaml}: cannot read the model config ({type(err).__name__}: {err})") from None
+        if not isinstance(nemo.get("config"), dict):
+            raise ValueError(f"{model_yaml}: no 'config' section")
+        config = model_config_from_megatron(nemo["config"], source=str(model_yaml))
+    if not (weights / "metadata.json").is_file():
+        raise FileNotFoundError(f"not a NeMo 2 checkpoint (no weights/metadata.json): {checkpoint}")
+    ensure_initialized()  # dist_checkpointing reads through torch.distributed, even for one process
+    metadata = dist_checkpointing.load_tensors_metadata(str(weights))
+    shapes = {key[len("module."):]: torch.empty(sharded.global_shape, device="meta")
+              for key, sharded in metadata.items() if key.startswith("module.")}
+    state = canonical_state(shapes, config.num_layers, source=str(weights))
+    embedding = state.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise ValueError(f"{weights}: no embedding.word_embeddings.weight among the weights")
+    check_state(state, config, embedding.shape[0], source=str(weights))
+    return config
+
+
+def nemo2_tokenizer_dir(checkpoint: Path) -> Optional[Path]:
+    """The HF tokenizer a NeMo 2 checkpoint directory carries in its ``context/`` (None: none found)."""
+    model_yaml = checkpoint / "context" / "model.yaml"
+    try:
+        tokenizer = (yaml.safe_load(model_yaml.read_text()) or {}).get("tokenizer")
+    except (OSError, yaml.YAMLError):
+        tokenizer = None
+    return _nemo2_tokenizer_dir(checkpoint / "context", tokenizer if isinstance(tokenizer, dict) else None)
+
+
 def _nemo2_tokenizer_dir(context: Path, tokenizer: Optional[dict]) -> Optional[Path]:
     """NeMo copies an HF tokenizer into ``context/`` as an artifact named by ``pretrained_model_name``."""
     name = (tokenizer or {}).get("pretrained_model_name")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_anchor.hf_dir import hf_weight_shapes, is_hf_dir, load_error, read_hf_tensors
+from nemo_anchor.hf_dir import is_hf_dir, load_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -66,11 +66,10 @@ def _check_hf_weights(path: Path) -> None:
     (safetensors headers) with the config before transformers builds anything."""
     from transformers import AutoConfig
 
-    from nemo_anchor.convert.hf_mapping import check_hf_weights, model_config_from_hf
+    from nemo_anchor.convert.hf_mapping import check_hf_dir, model_config_from_hf
 
     try:
         config = model_config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
     except Exception:  # noqa: BLE001 - another family or an unreadable config: from_pretrained names it
         return
-    check_hf_weights(hf_weight_shapes(path), config, config.vocab_size, source=str(path),
-                     config_source=str(path / "config.json"), read=lambda names: read_hf_tensors(path, names))
+    check_hf_dir(path, config)

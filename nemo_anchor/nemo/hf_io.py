@@ -20,21 +20,26 @@ They reuse NeMo's own connectors (weight mappings and q/k/v, gate/up transforms)
   raises IndexError (``nemo/collections/llm/gpt/model/llama.py:555-642, 855-939``); the names are
   translated to the spec the model was built with;
 - strictness: every weight of the target must be written and every weight of the source read,
-  or the conversion stops with an error naming the weights.
+  or the conversion stops with an error naming the weights; the HF files are compared with their
+  config.json before the import (``check_hf_dir``, as ``import-hf`` does), and an exported NeMo
+  checkpoint's weights with its config (``check_nemo2_weights``), naming the tensor, both shapes
+  and the config key.
 """
 from __future__ import annotations
 
 import contextlib
 import re
+from pathlib import Path
 from typing import Iterable
 
 import torch
 from nemo.lightning import io
 from nemo.lightning.pytorch.utils import dtype_from_hf
 
-from nemo_anchor.convert.hf_mapping import LLAMA3_ROPE, model_config_from_hf, to_hf_config
+from nemo_anchor.convert.hf_mapping import LLAMA3_ROPE, check_hf_dir, model_config_from_hf, to_hf_config
 from nemo_anchor.convert.megatron_config import model_config_from_megatron
 from nemo_anchor.convert.megatron_state import TE_TO_LOCAL
+from nemo_anchor.convert.sources import check_nemo2_weights
 from nemo_anchor.nemo import config as anchor_config
 
 
@@ -170,6 +175,16 @@ def _strict_transforms():
 
 # ---------------------------------------------------------------- connectors
 
+def _local_hf_dir(source: str) -> str:
+    """The local directory of an importer's source: itself, or a Hub model id's snapshot (what
+    ``from_pretrained`` reads)."""
+    if Path(source).is_dir():
+        return source
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(source)
+
+
 class AnchorImporter:
     """Mixed in before a NeMo HF importer: Anchor model and config, strict weights."""
 
@@ -182,6 +197,12 @@ class AnchorImporter:
     @property
     def config(self):
         return anchor_config_from_hf(str(self), self.CONFIG_FAMILY)
+
+    def apply(self, output_path):
+        # transformers fills a tensor the files lack, or a layer config.json adds, at random: compare the files
+        # with config.json first, as import-hf does, naming the tensor, both shapes and the config key
+        check_hf_dir(_local_hf_dir(str(self)))
+        return super().apply(output_path)
 
     def convert_state(self, source, target):
         with _strict_transforms():
@@ -200,6 +221,12 @@ class AnchorExporter:
                             eos_token_id=getattr(tokenizer, "eos_token_id", None),
                             pad_token_id=getattr(tokenizer, "pad_token_id", None),
                             dtype=source.params_dtype)
+
+    def apply(self, output_path):
+        # NeMo's load of weights that disagree with the checkpoint's config ends in a hint to load less strictly
+        # (ckpt_load_strictness); compare them first, naming the tensor, both shapes and the config key
+        check_nemo2_weights(Path(str(self)))
+        return super().apply(output_path)
 
     def convert_state(self, source, target, *args, **kwargs):
         with _strict_transforms():

@@ -38,6 +38,7 @@ from nemo_anchor.model.config import paper_rotary_base
 from nemo_anchor.nemo.config import PRESETS, AnchorLlamaConfig, AnchorMistralConfig, AnchorQwen2Config
 from nemo_anchor.nemo.data import AnchorPackedDataModule
 from nemo_anchor.nemo.metrics import AnchorMetricsCallback
+from nemo_anchor.nemo.run_guard import AnchorPreemption, AnchorRunGuard
 from nemo_anchor.nemo.models import AnchorLlamaModel, AnchorMistralModel, AnchorQwen2Model, model_class_for
 from nemo_anchor.nemo.strategy import AnchorMegatronStrategy, AnchorMixedPrecision
 from nemo_anchor.training import presets
@@ -77,7 +78,8 @@ def anchor_trainer(num_nodes: int = 1, num_gpus_per_node: int = 8, tensor_parall
         check_val_every_n_epoch=None,  # val_check_interval counts steps, not a fraction of an epoch
         limit_val_batches=8,
         use_distributed_sampler=False,
-        callbacks=[run.Config(AnchorMetricsCallback)],
+        # the run guards of nemo-anchor train: lock, tokenizer, resume comparison; SIGTERM/SIGINT/SIGUSR1 -> save, 75
+        callbacks=[run.Config(AnchorMetricsCallback), run.Config(AnchorRunGuard), run.Config(AnchorPreemption)],
     )
 
 

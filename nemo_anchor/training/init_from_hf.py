@@ -6,16 +6,14 @@ checkpoints through :func:`nemo_anchor.training.checkpoint.load_weights`, this r
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from nemo_anchor.convert.hf_mapping import check_hf_weights
+from nemo_anchor.convert.hf_mapping import check_hf_dir
 from nemo_anchor.convert.hf_slices import has_safetensors, sliced_state
 from nemo_anchor.convert.megatron_state import check_state, load_into_model
 from nemo_anchor.convert.sources import HF, NEMO_ANCHOR, checkpoint_kind, read_checkpoint, read_model_config
 from nemo_anchor.convert.weight_match import config_key_explainer, match_weights
-from nemo_anchor.hf_dir import CONFIG_FILE, hf_weight_shapes, read_hf_tensors
 from nemo_anchor.training.checkpoint import load_weights
 
 # Megatron TransformerConfig fields that fix every weight's shape: a mismatch is named before loading.
@@ -38,8 +36,7 @@ def init_model_from_hf(model: torch.nn.Module, path: str | os.PathLike) -> None:
         config, source = read_model_config(path)
         _check_structure(model, config, source, head="lm_head.weight")
         # every tensor of the files used, every one the config describes present: from the headers alone
-        check_hf_weights(hf_weight_shapes(path), config, config.vocab_size, source=str(path),
-                         config_source=str(Path(path) / CONFIG_FILE), read=lambda names: read_hf_tensors(path, names))
+        check_hf_dir(path, config)
         with sliced_state(path, config) as state:
             check_state(state, config, state["embedding.word_embeddings.weight"].shape[0], source=str(path))
             load_into_model(model, state, source=str(path))

@@ -64,12 +64,18 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+ALLOW_HINT = "pass --allow-change {key} (config: checkpoint.allow_change=[{key}])"
+RESTART_HINT = "train into a new output_dir (model.init_from_hf={checkpoint} starts from its weights)"
+
+
 def compare(checkpoint: Path, saved: dict, new: dict, allow: list[str], saved_data: str | None,
-            new_data: str) -> dict[str, tuple[Any, Any]]:
+            new_data: str, *, allow_hint: str = ALLOW_HINT, restart_hint: str = RESTART_HINT
+            ) -> dict[str, tuple[Any, Any]]:
     """The keys that change from ``saved`` (the checkpoint's config) to ``new``, once each is cleared.
 
     ``saved_data``/``new_data`` are the dataset fingerprints (None: a checkpoint from before they
-    were recorded, then ``data.path`` is compared by name).
+    were recorded, then ``data.path`` is compared by name). ``allow_hint`` (with ``{key}``) and
+    ``restart_hint`` (with ``{checkpoint}``) say how the front door allows a key and starts afresh.
 
     Raises:
         ResumeRefused: the first key that may not change (model keys first), with both values and what to do.
@@ -88,14 +94,12 @@ def compare(checkpoint: Path, saved: dict, new: dict, allow: list[str], saved_da
             fingerprints = "" if saved_data is None else f"; fingerprint {saved_data[:12]} -> {new_data[:12]}"
             raise ResumeRefused(
                 f"cannot resume {checkpoint}: data.path={after} is not the packed dataset it was trained on "
-                f"(data.path was {before}{fingerprints}): resume with that dataset, or train into a new output_dir "
-                f"(model.init_from_hf={checkpoint} starts from its weights)")
+                f"(data.path was {before}{fingerprints}): resume with that dataset, or "
+                f"{restart_hint.format(checkpoint=checkpoint)}")
         if key in ALLOWABLE:
-            hint = (f"to resume with the new value on purpose, pass --allow-change {key} (config: "
-                    f"checkpoint.allow_change=[{key}]), or set {key}={before!r}")
+            hint = f"to resume with the new value on purpose, {allow_hint.format(key=key)}, or set {key}={before!r}"
         else:
-            hint = (f"it changes the run: resume with {key}={before!r}, or train into a new output_dir "
-                    f"(model.init_from_hf={checkpoint} starts from its weights)")
+            hint = f"it changes the run: resume with {key}={before!r}, or {restart_hint.format(checkpoint=checkpoint)}"
         raise ResumeRefused(f"cannot resume {checkpoint}: {key} was {before!r}, the new config has {after!r}; {hint}")
     return changed
 

@@ -75,6 +75,30 @@ def test_round_trip_keeps_every_tensor_and_the_rope(tmp_path):
         bridge.import_hf(hf, hf / "inside")
 
 
+@pytest.mark.parametrize("fault,expected", [
+    ("missing", r"the weights lack tensor model\.layers\.1\.mlp\.down_proj\.weight of shape \(32, 64\), which "
+                r".*config\.json \(num_hidden_layers=2\) needs"),
+    ("extra layer", r"the weights lack tensor model\.layers\.2\.\S+ of shape \(\d+,( \d+)?\), which "
+                    r".*config\.json \(num_hidden_layers=3\) needs"),
+], ids=["missing-tensor", "config-has-a-layer-more"])
+def test_import_refuses_hf_weights_that_disagree_with_their_config(tmp_path, fault, expected):
+    """AutoBridge builds the HF model through transformers, which fills what the files lack at random: the import
+    is refused naming the tensor, its shape and the config.json key (the rule import-hf and NeMo's importer apply)."""
+    from safetensors.torch import save_file
+
+    hf = save_tiny_llama(tmp_path / "hf")
+    if fault == "missing":
+        tensors = load_file(hf / "model.safetensors")
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+        save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    else:
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=expected):
+        bridge.import_hf(hf, tmp_path / "megatron")
+    assert not (tmp_path / "megatron").exists()
+
+
 def test_smollm2_round_trip_keeps_every_tensor(tmp_path, smollm2_dir):
     back = bridge.export_hf(bridge.import_hf(smollm2_dir, tmp_path / "megatron"), tmp_path / "back")
     assert_same_tensors(smollm2_dir, back)
@@ -198,3 +222,70 @@ def test_recipes_build_and_the_context_extension_fits_the_planner():
     assert scaled.model.rope_scaling and scaled.model.rope_scaling_factor == 8.0 and scaled.model.rotary_base == 5e5
     with pytest.raises(ValueError, match="no context-parallel size up to 1"):
         llama3_context_extension(131_072, gpus=1, gpu=80)
+
+
+# ---------------------------------------------------------------- the run guards of nemo-anchor train on pretrain()
+
+def bridge_run(config, megatron, save, *args):
+    """``python -m nemo_anchor.bridge.pretrain`` as bridge_pretrain runs it, not checked: (exit status, output)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "nemo_anchor.bridge.pretrain", "--config", str(config),
+                          f"checkpoint.pretrained_checkpoint={megatron}", f"checkpoint.save={save}",
+                          f"checkpoint.load={save}", "--peak-tflops", "1", *args],
+                         env=env, capture_output=True, text=True, timeout=600)
+    return run.returncode, run.stdout + run.stderr
+
+
+def pack_texts(root, texts, tokenizer="byte"):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert cli(["pack", "--input", str(root / "corpus.jsonl"), "--tokenizer", tokenizer, "--seq-length", "64",
+                "--output", str(root / "packed")]) == 0
+    return root / "packed"
+
+
+def test_resume_on_other_data_is_refused_and_a_listed_change_resumes(start, straight, tmp_path):
+    """`nemo-anchor train`'s resume comparison on Bridge's resume: other data refused naming data.path, a new
+    clip_grad naming optim.clip_grad, then allowed by --allow-change (it resumes to step 7); a new lr stays refused
+    with the Megatron-Core limitation named, even when listed."""
+    root, megatron, config = start
+    save = straight[0]
+    metrics = (save / "metrics.jsonl").read_text()
+    other = pack_texts(tmp_path / "other", [text[::-1] for text in TEXTS])
+    status, out = bridge_run(config, megatron, save, f"dataset.path={other}", "train.train_iters=7")
+    assert status != 0 and f"data.path={other} is not the packed dataset it was trained on" in out, out[-3000:]
+    status, out = bridge_run(config, megatron, save, "optimizer.clip_grad=0.5", "train.train_iters=7")
+    assert status != 0 and "optim.clip_grad was 1.0, the new config has 0.5" in out, out[-3000:]
+    status, out = bridge_run(config, megatron, save, "optimizer.lr=5e-4", "train.train_iters=7",
+                             "--allow-change", "optim.lr")
+    assert status != 0 and "optim.lr=0.0005 (was 0.001): Megatron-Core's optimizer" in out, out[-3000:]
+    assert (save / "metrics.jsonl").read_text() == metrics
+    status, out = bridge_run(config, megatron, save, "optimizer.clip_grad=0.5", "train.train_iters=7",
+                             "--allow-change", "optim.clip_grad")
+    assert status == 0, out[-3000:]
+    rows = {r["step"]: r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    assert sorted(rows) == list(range(1, 8))
+
+
+def test_data_of_another_tokenizer_is_refused_before_the_first_step(start, smollm2_dir, tmp_path):
+    root, megatron, config = start
+    other = pack_texts(tmp_path / "smollm2", TEXTS, tokenizer=str(smollm2_dir))
+    status, out = bridge_run(config, megatron, tmp_path / "run", f"dataset.path={other}")
+    assert status != 0 and f"dataset.path={other} was tokenized with" in out, out[-3000:]
+    assert f"checkpoint.pretrained_checkpoint={megatron}" in out and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_second_run_into_the_same_checkpoint_save_is_refused(start, tmp_path):
+    """While a run holds checkpoint.save (its lock, as nemo-anchor train's), another run is refused naming its
+    host and pid, before writing anything there."""
+    from nemo_anchor.run_dir import RunClaim, RunDir
+
+    root, megatron, config = start
+    save = tmp_path / "held"
+    holder = RunClaim(RunDir(save))  # what a live run holds, in this process
+    try:
+        status, out = bridge_run(config, megatron, save)
+    finally:
+        holder.release(failed=False)
+    assert status != 0 and f"is in use by another training run (host {os.uname().nodename}, pid {os.getpid()}" in out
+    assert sorted(p.name for p in save.iterdir()) == []

@@ -1,0 +1,149 @@
+"""Our trainer's run guards on Megatron-Bridge's ``pretrain()`` (``python -m nemo_anchor.bridge.pretrain``).
+
+- One run per ``checkpoint.save`` (``nemo_anchor.run_dir.RunClaim``, the lock ``nemo-anchor train``
+  takes on its output_dir), taken before anything is written there.
+- The data's tokenizer (pack's ``tokenizer/``) is the one of the weights the run starts from (the
+  ``hf_reference/`` that ``import_hf`` keeps beside a checkpoint), checked before the first step.
+- A resume (``checkpoint.load`` with a saved iteration) is compared with the run as
+  ``nemo-anchor train`` compares it (``nemo_anchor.training.resume``): the model, the data by
+  content (the packed dataset's fingerprint), batch and optimizer settings are recorded in
+  ``checkpoint.save/run_guard.json`` when the run starts, and a changed key is refused naming it and
+  both values unless ``--allow-change`` lists it; an allowed LR-schedule key sets Bridge's
+  ``scheduler.override_opt_param_scheduler`` (Megatron-LM's ``--override-opt-param-scheduler``).
+  ``optim.lr``, ``optim.min_lr`` and ``optim.weight_decay`` stay refused even when allowed:
+  Megatron-Core cannot load the optimizer state under new ones (the refusal says so).
+- Preemption: Bridge's own ``train.exit_signal_handler`` (on, for ``train.exit_signal``, SIGTERM by
+  default; Slurm's ``--signal=USR1@120`` wants ``train.exit_signal=10``) saves and ends the run;
+  :func:`checked` turns that end into ``nemo-anchor train``'s status 75, so the same command resumes.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from megatron.bridge.training.callbacks import Callback, CallbackContext
+
+from nemo_anchor.atomic import atomic_file
+from nemo_anchor.bridge.convert import HF_REFERENCE
+from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer, load_tokenizer
+from nemo_anchor.run_dir import RunClaim, RunDir
+from nemo_anchor.training import resume
+from nemo_anchor.training.loop import EXIT_INTERRUPTED
+
+RECORD_FILE = "run_guard.json"
+
+
+def run_config(config) -> dict[str, Any]:
+    """What defines a Bridge run, under the keys of ``nemo-anchor train``'s config (nested, as its config.yaml)."""
+    import dataclasses
+
+    from nemo_anchor.bridge.training import flops_model_config
+
+    model, optim, train = config.model, config.optimizer, config.train
+    shape = dataclasses.asdict(flops_model_config(model))
+    shape.update(vocab_size=model.vocab_size, rotary_base=str(float(model.rotary_base)),
+                 tie_embeddings=model.share_embeddings_and_output_weights,
+                 tensor_model_parallel_size=model.tensor_model_parallel_size,
+                 context_parallel_size=model.context_parallel_size)
+    return {
+        "model": shape,
+        "data": {"path": str(config.dataset.path), "valid_path": config.dataset.valid_path},
+        "trainer": {"global_batch_size": train.global_batch_size, "micro_batch_size": train.micro_batch_size,
+                    "max_steps": train.train_iters, "precision": "bf16" if model.bf16 else "fp32"},
+        "optim": {"lr": optim.lr, "min_lr": optim.min_lr, "weight_decay": optim.weight_decay,
+                  "clip_grad": optim.clip_grad, "beta1": optim.adam_beta1, "beta2": optim.adam_beta2,
+                  "eps": optim.adam_eps, "warmup_steps": config.scheduler.lr_warmup_iters,
+                  "schedule": config.scheduler.lr_decay_style},
+    }
+
+
+def _resumes(config) -> bool:
+    load = config.checkpoint.load
+    return bool(load) and any(Path(load).glob("iter_*"))
+
+
+def _check_tokenizer(config, windows) -> None:
+    start = config.checkpoint.load if _resumes(config) else config.checkpoint.pretrained_checkpoint
+    key = "checkpoint.load" if _resumes(config) else "checkpoint.pretrained_checkpoint"
+    found = find_tokenizer(Path(start) / HF_REFERENCE) if start else None
+    if found is not None:
+        check_same_tokenizer(windows.tokenizer, f"dataset.path={config.dataset.path}", load_tokenizer(found),
+                             f"{key}={start}")
+
+
+def check(config, allow_change: list[str]) -> dict:
+    """Refuse a run that would train on other tokens or change a resumed run; returns the record to keep."""
+    resume.check_allow_list(allow_change)
+    windows = config.dataset.open()
+    _check_tokenizer(config, windows)
+    record = {"config": run_config(config), "data": resume.dataset_fingerprint(config.dataset.path)}
+    saved_file = Path(config.checkpoint.load or config.checkpoint.save) / RECORD_FILE
+    if _resumes(config) and saved_file.is_file():
+        saved = json.loads(saved_file.read_text())
+        changed = resume.compare(
+            Path(config.checkpoint.load), saved["config"], record["config"], allow_change, saved["data"],
+            record["data"], allow_hint="pass --allow-change {key}",
+            restart_hint="save into a new checkpoint.save (checkpoint.pretrained_checkpoint={checkpoint} "
+                         "starts from its weights)")
+        keyed = [key for key in ("optim.lr", "optim.min_lr", "optim.weight_decay") if key in changed]
+        if keyed:  # allowed, or compare would have refused them
+            raise resume.ResumeRefused(
+                f"cannot resume {config.checkpoint.load} with {keyed[0]}={changed[keyed[0]][1]!r} (was "
+                f"{changed[keyed[0]][0]!r}): Megatron-Core's optimizer finds its saved state by each parameter group's "
+                f"lr, min_lr and weight decay (megatron/core/optimizer/optimizer.py:640) and cannot load it under new "
+                f"ones; resume with {keyed[0]}={changed[keyed[0]][0]!r}, or change it with nemo-anchor train or NeMo")
+        if resume.overrides_schedule(changed, allow_change):
+            config.scheduler.override_opt_param_scheduler = True
+            config.scheduler.use_checkpoint_opt_param_scheduler = False
+        if changed:
+            print("resuming " + ", ".join(f"{key}: {before!r} -> {after!r}"
+                                          for key, (before, after) in changed.items()), flush=True)
+    return record
+
+
+class _SignalSeen(Callback):
+    """Keeps Bridge's state, whose signal handler says at the end whether a signal stopped the run."""
+
+    state = None
+
+    def on_train_start(self, context: CallbackContext) -> None:
+        self.state = context.state
+
+    def stopped_by_signal(self) -> bool:
+        handler = self.state.signal_handler if self.state is not None and self.state.cfg.train.exit_signal_handler \
+            else None
+        return handler is not None and any(handler.signals_received())
+
+
+@contextlib.contextmanager
+def claimed(config) -> Iterator[None]:
+    """One run writes into ``checkpoint.save`` (the lock, taken by rank 0 before anything is written there)."""
+    if not config.checkpoint.save:
+        raise ValueError("checkpoint.save is not set: give the run's output directory")
+    claim = RunClaim(RunDir(config.checkpoint.save)) if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        yield
+    finally:
+        if claim is not None:
+            claim.release(failed=False)  # Bridge's iter_* are not our checkpoints/: nothing is removed
+
+
+@contextlib.contextmanager
+def checked(config, allow_change: list[str]) -> Iterator[list[Callback]]:
+    """``with checked(config, allow) as callbacks: pretrain(config, step, callbacks=[..., *callbacks])``: the checks,
+    the record for the next resume, Bridge's exit-signal save, and exit status 75 after it."""
+    record = check(config, allow_change)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with atomic_file(Path(config.checkpoint.save) / RECORD_FILE) as staging:
+            staging.write_text(json.dumps(record, indent=1))
+    config.train.exit_signal_handler = True
+    seen = _SignalSeen()
+    try:
+        yield [seen]
+    except SystemExit as exit:  # Bridge ends a run stopped by its exit signal with sys.exit(0), after the save
+        if exit.code in (0, None) and seen.stopped_by_signal():
+            raise SystemExit(EXIT_INTERRUPTED) from None
+        raise

@@ -1,0 +1,238 @@
+"""Our trainer's run guards on NeMo's ``llm.pretrain``, as Lightning callbacks in every recipe.
+
+- :class:`AnchorRunGuard`: one run per log directory (``nemo_anchor.run_dir.RunClaim``, the lock
+  ``nemo-anchor train`` takes on its output_dir); data packed with the model's tokenizer, checked
+  before the first step; and a resume (NeMo's ``AutoResume`` in the same ``log.log_dir``) that may
+  not change the run, compared by ``nemo_anchor.training.resume`` as ``nemo-anchor train`` compares
+  it: the model, data (by content: the packed dataset's fingerprint), optimizer and batch settings
+  are saved in every checkpoint (the callback's state) and a changed key is refused naming it and
+  both values. ``allow_change`` is ``nemo-anchor train --allow-change``: the same keys
+  (``optim.lr``, ``trainer.global_batch_size``, ``optim.clip_grad``...), set in a recipe as
+  ``recipe.trainer.callbacks[1].allow_change = ["optim.lr"]``, or on NeMo-Run's command line as
+  ``'trainer.callbacks[1].allow_change=["optim.lr"]'``.
+- :class:`AnchorPreemption`: NeMo's ``PreemptionCallback`` on SIGTERM, SIGINT and SIGUSR1 (Slurm's
+  ``--signal=USR1@120``): the step in progress finishes, the last checkpoint is saved and the
+  process exits with ``nemo-anchor train``'s status 75, so the same command resumes.
+
+Our names for NeMo's settings (what the comparison and the messages use)::
+
+    model.*                    the model config, as nemo_anchor.model.config.ModelConfig names it
+    data.path, data.valid_path AnchorPackedDataModule's (data.path compared by fingerprint)
+    trainer.*                  global_batch_size, micro_batch_size (the data module's), max_steps, precision
+    optim.*                    lr, min_lr, weight_decay, clip_grad, beta1, beta2, eps (OptimizerConfig's), schedule
+"""
+
+import contextlib
+import signal
+import threading
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from nemo.lightning.pytorch.callbacks import PreemptionCallback
+
+from nemo_anchor.data.tokenizer import check_same_tokenizer, load_tokenizer
+from nemo_anchor.convert.sources import check_nemo2_weights, nemo2_tokenizer_dir
+from nemo_anchor.run_dir import RunClaim, RunDir
+from nemo_anchor.training import resume
+from nemo_anchor.training.loop import EXIT_INTERRUPTED
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def run_config(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """What defines a NeMo run, under the keys of ``nemo-anchor train``'s config (nested, as its config.yaml)."""
+    import dataclasses
+
+    from nemo_anchor.nemo.hf_io import model_config_from_anchor
+
+    data = trainer.datamodule
+    config = pl_module.config
+    optim = getattr(pl_module, "optim", None)
+    optim_config = getattr(optim, "config", None)
+    scheduler = getattr(optim, "lr_scheduler", None)
+    model = dataclasses.asdict(model_config_from_anchor(config))
+    optim_keys = {"lr": "lr", "min_lr": "min_lr", "weight_decay": "weight_decay", "clip_grad": "clip_grad",
+                  "beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_eps"}
+    return {
+        "model": model,
+        "data": {"path": str(data.path), "valid_path": data.valid_path and str(data.valid_path)},
+        "trainer": {"global_batch_size": data.global_batch_size, "micro_batch_size": data.micro_batch_size,
+                    "max_steps": trainer.max_steps, "precision": "bf16" if config.bf16 else "fp32"},
+        "optim": {**{ours: getattr(optim_config, theirs, None) for ours, theirs in optim_keys.items()},
+                  "schedule": "constant" if scheduler is None else type(scheduler).__name__},
+    }
+
+
+def _checkpoint_dir(path) -> Path:
+    """NeMo's checkpoint directory (``trainer.ckpt_path`` names its ``weights/``)."""
+    path = Path(str(path))
+    return path.parent if path.name == "weights" else path
+
+
+class AnchorRunGuard(pl.Callback):
+    """The lock, the tokenizer check and the resume comparison of ``nemo-anchor train`` (see the module).
+
+    Args:
+        allow_change: keys that may change on resume (``nemo-anchor train --allow-change``); an LR-schedule
+            key takes the new optimizer settings (lr, min_lr, weight decay) on the resumed run, as ours does.
+    """
+
+    def __init__(self, allow_change: Optional[List[str]] = None):  # List: what NeMo-Run's command line parses
+        self.allow_change = list(allow_change or [])
+        resume.check_allow_list(self.allow_change)
+        self._claim: Optional[RunClaim] = None
+        self._record: dict = {}
+        self._changed: dict = {}
+
+    # ---------------------------------------------------------------- before anything is restored or trained
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Runs before NeMo's checkpoint callback moves the log directory's files and before a restore."""
+        if stage != "fit" or self._claim is not None:
+            return
+        from nemo.utils import AppState
+
+        if trainer.is_global_zero:  # first: while another run holds the directory, nothing else is looked at
+            self._claim = RunClaim(RunDir(AppState().log_dir))
+        data = trainer.datamodule
+        self._check_start(trainer, pl_module, data)
+        if pl_module.config.vocab_size:
+            data.train_dataset.check_token_ids(pl_module.config.vocab_size)
+        self._record = {"config": run_config(trainer, pl_module), "data": resume.dataset_fingerprint(data.path)}
+        self._checkpoint = trainer.ckpt_path
+
+    def _check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data) -> None:
+        """The data's tokenizer (pack's ``tokenizer/``) is the one the starting weights were trained with, and
+        weights restored into the model (``resume.restore_config``) are the tensors its config describes."""
+        from nemo_anchor.nemo.hf_io import model_config_from_anchor
+
+        dataset = data.train_dataset
+        restore = getattr(trainer.strategy, "restore_config", None)
+        if trainer.ckpt_path:
+            start, name = _checkpoint_dir(trainer.ckpt_path), f"the checkpoint {_checkpoint_dir(trainer.ckpt_path)}"
+        elif restore is not None:
+            start, name = Path(restore.path), f"resume.restore_config.path={restore.path}"
+            if restore.load_model_state:
+                check_nemo2_weights(start, model_config_from_anchor(pl_module.config))
+        else:
+            return
+        found = nemo2_tokenizer_dir(start)
+        if found is not None:
+            check_same_tokenizer(dataset.tokenizer, f"data.path={data.path}", load_tokenizer(found), name)
+
+    # ---------------------------------------------------------------- saved with, and compared on, every checkpoint
+    def state_dict(self) -> dict:
+        return dict(self._record)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Lightning restores a resumed run's callbacks before its first step: a run that changes is refused here."""
+        checkpoint = _checkpoint_dir(self._checkpoint)
+        self._changed = resume.compare(
+            checkpoint, state_dict["config"], self._record["config"], self.allow_change, state_dict.get("data"),
+            self._record["data"], allow_hint="add {key} to the recipe's AnchorRunGuard(allow_change=[...])",
+            restart_hint="train into a new log.log_dir (resume.restore_config.path={checkpoint} starts from its weights)")
+        if resume.overrides_schedule(self._changed, self.allow_change) and \
+                self._record["config"]["optim"]["schedule"] != "constant":
+            raise resume.ResumeRefused(f"cannot resume {checkpoint} with a new learning-rate schedule: NeMo's "
+                                       f"{self._record['config']['optim']['schedule']} keeps its own state; allow "
+                                       f"schedule changes only for runs without optim.lr_scheduler")
+        if self._changed:
+            print("resuming " + ", ".join(f"{key}: {before!r} -> {after!r}"
+                                          for key, (before, after) in self._changed.items()), flush=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """An allowed change of lr, min_lr or weight decay takes effect (the optimizer state restored the old ones);
+        each parameter group keeps its own multiplier, as Megatron's ``override_opt_param_scheduler`` does."""
+        if not resume.overrides_schedule(self._changed, self.allow_change):
+            return
+        scaled = {"optim.lr": ("lr", "max_lr"), "optim.min_lr": ("min_lr",), "optim.weight_decay": ("weight_decay",)}
+        for key, fields in scaled.items():
+            if key not in self._changed:
+                continue
+            before, after = self._changed[key]
+            for optimizer in trainer.optimizers:
+                for group in optimizer.param_groups:
+                    for field in fields:
+                        if field in group:
+                            group[field] = after if not before else group[field] * after / before
+
+    # ---------------------------------------------------------------- the lock goes with the run
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._release()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._release()
+
+    def _release(self) -> None:
+        if self._claim is not None:
+            self._claim.release(failed=False)  # NeMo's log directory is NeMo's: only the lock goes
+            self._claim = None
+
+
+class AnchorPreemption(PreemptionCallback):
+    """NeMo's ``PreemptionCallback`` for SIGTERM, SIGINT and SIGUSR1, exiting with status 75 after the save.
+
+    NeMo's listens to one signal on rank 0 and reads the flag on ``torch.cuda.current_device()``; every rank
+    records the signal here (torchrun and Slurm signal each worker) and the ranks agree on the CPU or GPU
+    the module runs on, so any rank's signal stops all of them at the same step.
+    """
+
+    def __init__(self, signals: Sequence[int] = PREEMPTION_SIGNALS, exit_code: int = EXIT_INTERRUPTED):
+        super().__init__(sig=signals[0])
+        self.signals, self.exit_code = tuple(signals), exit_code
+        self._device = torch.device("cpu")
+        self._mask = None  # the signal mask before setup blocked the signals
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Block the signals until :meth:`on_train_start`: the data loader's workers, started in between, inherit the
+        block and never see them (torch's workers die of SIGTERM, torch/utils/data/_utils/worker.py:269, and the
+        main process, still saving, then fails on the dead worker; NeMo rebuilds the loader without a
+        ``worker_init_fn``, nemo/lightning/data.py:224). Slurm, Kubernetes and torchrun signal the whole group."""
+        if stage == "fit" and self._mask is None and threading.current_thread() is threading.main_thread():
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()  # it unblocks SIGINT/SIGTERM in its caller when started later
+            self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """As NeMo's, the handlers go in here, after Lightning's (which would end the run with SIGTERMException
+        without a save, lightning/pytorch/loops/training_epoch_loop.py:310); then a signal held meanwhile arrives."""
+        self._device = pl_module.device
+        super().on_train_start(trainer, pl_module)
+        self._unblock()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._unblock()
+
+    def _unblock(self) -> None:
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+            self._mask = None
+
+    @contextlib.contextmanager
+    def _preemption_handler(self):  # overrides nemo/lightning/pytorch/callbacks/preemption.py:78 (one signal)
+        def record(signum, frame):
+            self._interrupted = True
+
+        previous = {sig: signal.signal(sig, record) for sig in self.signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @property
+    def interrupted(self) -> bool:
+        if not self.preemption_supported:
+            return self._interrupted
+        flag = torch.tensor([int(self._interrupted)], device=self._device, dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        except SystemExit:  # NeMo's exits 0 after the save: a scheduler would take the run for finished
+            raise SystemExit(self.exit_code) from None
