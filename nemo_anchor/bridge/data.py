@@ -5,8 +5,11 @@ taking micro-batch ``m`` at ``[(m * d + r) * mb, ...)`` of each global batch. Sa
 window ``i`` of :class:`~nemo_anchor.data.WindowSampler`'s stream (epoch after epoch of seeded
 permutations), so Bridge trains on the windows ``nemo-anchor train`` trains on, in the same
 micro-batches, for any data-parallel size; its ``consumed_samples`` resumes the stream exactly.
-Batches are :func:`~nemo_anchor.data.collate_windows` output (``cu_seqlens``, ``cu_windows``); the
-forward step shards them for context parallelism.
+Batches are :func:`~nemo_anchor.data.collate_windows` output in Megatron-LM's fixed packed shapes
+(:func:`~nemo_anchor.data.fixed_shape_batch`: ``cu_seqlens`` padded with -1, ``cu_seqlens_argmin``,
+``max_seqlen``), so every tensor, pipeline and context-parallel rank holds a batch of the same
+shapes; the forward step rebuilds the document and window boundaries from them on the host and
+shards the batch for context parallelism.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 
 from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 
-from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows
+from nemo_anchor.data import PackedDataset, WindowSampler, collate_windows, fixed_shape_batch
 
 
 class WindowStream:
@@ -35,7 +38,7 @@ class WindowStream:
 
     @staticmethod
     def collate_fn(items: list[dict]) -> dict:
-        return collate_windows(items)
+        return fixed_shape_batch(collate_windows(items))
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,6 @@ from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, 
                                              OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,
                                              TrainingConfig, ValidationConfig)
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import distrib_optimizer
 
 from nemo_anchor.bridge.data import AnchorPackedDatasetProvider
 from nemo_anchor.bridge.provider import AnchorGPTModelProvider
@@ -38,9 +37,7 @@ def from_run_config(run: RunConfig, vocab_size: int | None = None) -> ConfigCont
     """Bridge's configuration of the run ``nemo-anchor train`` would make of ``run``."""
     m, t, o = run.model, run.trainer, run.optim
     bf16 = t.precision == "bf16"
-    # megatron-core 0.19 cannot load a distributed-optimizer checkpoint into torch's Adam (no Apex or TE
-    # Adam, as on the CPU): it reads a common Adam step before the state exists (distrib_optimizer.py:839)
-    distributed_optimizer = t.distributed_optimizer and distrib_optimizer.HAVE_APEX_OR_TE
+    distributed_optimizer = t.distributed_optimizer
     vocab_size = vocab_size or m.vocab_size
     return ConfigContainer(
         model=AnchorGPTModelProvider.from_model_config(m, vocab_size, bf16=bf16),
