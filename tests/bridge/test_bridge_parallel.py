@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
          "How vexingly quick daft zebras jump; " * 9, "a", "Waltz, bad nymph, for quick jigs vex. " * 12] * 6
 # tiny, with heads divisible by tensor x context parallel sizes; the byte vocabulary padded for tensor 2
-SHAPE = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+SHAPE = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8, num_query_groups=4,
              vocab_size=512)
 
 
@@ -117,3 +117,68 @@ def test_model_parallel_layout_equals_one_process(run_config, first_step, one_pr
     assert sorted(losses) == [1, 2, 3] == sorted(one_process)
     for step in losses:
         assert losses[step] == pytest.approx(one_process[step], abs=1e-5), (step, losses, one_process)
+
+
+DISTRIBUTED_OPTIMIZER = ("optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true")
+
+
+@pytest.fixture(scope="module")
+def data_parallel_2(run_config, first_step, tmp_path_factory):
+    """3 steps on one node, two processes (data parallel 2) with Bridge's distributed optimizer."""
+    save = tmp_path_factory.mktemp("data-parallel-2")
+    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={first_step}",
+                           *DISTRIBUTED_OPTIMIZER, nproc=2)
+
+
+def test_distributed_optimizer_equals_one_process_and_resumes_exactly(run_config, first_step, one_process,
+                                                                      data_parallel_2, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    assert sorted(data_parallel_2) == [1, 2, 3]
+    for step in data_parallel_2:  # each rank updates its half of the parameters
+        assert data_parallel_2[step] == pytest.approx(one_process[step], abs=1e-5)
+    start = f"checkpoint.pretrained_checkpoint={first_step}"
+    bridge_pretrain(run_config[0], tmp_path / "split", start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2",
+                    "checkpoint.save_interval=2", nproc=2)
+    saved = dist_checkpointing.load_content_metadata(str(tmp_path / "split" / "iter_0000002"))
+    assert saved["distrib_optim_sharding_type"] == "dp_reshardable"  # the optimizer state is sharded over ranks
+    resumed = bridge_pretrain(run_config[0], tmp_path / "split", start, *DISTRIBUTED_OPTIMIZER, nproc=2)
+    assert resumed == data_parallel_2  # steps 1-2 from the first run's metrics, step 3 after the resume: bit for bit
+
+
+def can_unshare() -> bool:
+    return subprocess.run(["unshare", "-u", "true"], capture_output=True).returncode == 0
+
+
+def bridge_pretrain_on_two_nodes(config, save, *overrides, timeout=600):
+    """Two torchrun launchers of one process each, on hosts node0 and node1 (own UTS namespaces),
+    sharing this filesystem, as on a cluster of two nodes."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    launchers = [subprocess.Popen(
+        ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh",
+         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "nemo_anchor.bridge.pretrain", "--config", str(config), f"checkpoint.save={save}",
+         f"checkpoint.load={save}", "--peak-tflops", "1", *overrides],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outputs = [launcher.communicate(timeout=timeout)[0] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+    for launcher, output in zip(launchers, outputs):
+        assert launcher.returncode == 0, output[-3000:]
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(save) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.mark.skipif(not can_unshare(), reason="needs `unshare -u` (root or user namespaces)")
+def test_two_nodes_train_save_and_resume_as_one_node(run_config, first_step, data_parallel_2, tmp_path):
+    start = f"checkpoint.pretrained_checkpoint={first_step}"
+    two_nodes = tmp_path / "two-nodes"
+    bridge_pretrain_on_two_nodes(run_config[0], two_nodes, start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2",
+                                 "checkpoint.save_interval=2")
+    resumed = bridge_pretrain_on_two_nodes(run_config[0], two_nodes, start, *DISTRIBUTED_OPTIMIZER)
+    assert resumed == data_parallel_2
