@@ -55,7 +55,8 @@ def on_two_hosts(tmp_path, script: str, cache: Path, timeout: int = 600) -> list
         outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
-            p.kill() if p.poll() is None else None
+            if p.poll() is None:
+                p.kill()
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     return [out for out, _ in outputs]

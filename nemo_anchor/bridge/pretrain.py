@@ -20,10 +20,10 @@ import torch
 from omegaconf import OmegaConf
 
 from nemo_anchor.atomic import copy_directory_once
-from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
 from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
+from nemo_anchor.parallel.context_parallel import pads_documents
 from nemo_anchor.training.config import load_config
 from nemo_anchor.training.loop import padded_vocab_size
 
@@ -55,7 +55,7 @@ def prepare(config) -> None:
     windows.check_token_ids(model.vocab_size)
     config.tokenizer.vocab_size = model.vocab_size
     if model.pipeline_model_parallel_size > 1 and (
-            config.train.micro_batch_size > 1 or _context_parallel_pads_documents(model)):
+            config.train.micro_batch_size > 1 or pads_documents(model.attention_type, model.context_parallel_size)):
         # Bridge's schedule sizes the activations sent between stages as [seq_length / cp, micro-batch,
         # hidden]; a THD pack is [micro-batch * seq_length / cp, 1, hidden], longer where context
         # parallelism pads documents: the stages send each shape ahead (as nemo-anchor train does)
@@ -68,11 +68,6 @@ def prepare(config) -> None:
     # and a copy published first by another launch is kept
     if int(os.environ.get("RANK", "0")) == 0 and start and (Path(start) / HF_REFERENCE).is_dir():
         copy_directory_once(Path(start) / HF_REFERENCE, Path(config.checkpoint.save) / HF_REFERENCE)
-
-
-def _context_parallel_pads_documents(model) -> bool:
-    """Whether context parallelism pads each document of a pack (positions restarting per document)."""
-    return model.context_parallel_size > 1 and get_attention_type(model.attention_type).rope_restarts != "window"
 
 
 def main(argv: list[str] | None = None) -> None:

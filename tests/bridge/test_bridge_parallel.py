@@ -3,7 +3,9 @@
 Every layout starts from the same weights, a 1-step Bridge checkpoint given as
 ``checkpoint.pretrained_checkpoint``, and runs 3 fp32 steps on the same windows: tensor 2,
 pipeline 2 and tensor 2 x context 2 each equal one process within 1e-5. Batches reach every rank
-in Megatron-LM's fixed packed shapes. Skipped where Megatron-Bridge is not installed.
+in Megatron-LM's fixed packed shapes. Bridge's distributed optimizer (data parallel 2) equals one
+process and resumes bit for bit, on one node and on two (two torchrun launchers under their own
+hostnames sharing this filesystem). Skipped where Megatron-Bridge is not installed.
 """
 import importlib.util
 import json
