@@ -18,11 +18,17 @@ The rules, the same for ``pack``, ``export-hf``, ``import-hf``, ``probe`` and ``
 - SIGTERM cleans up as SIGINT does (the staging directory is removed; exit status 143), and staging
   directories of runs that died without cleaning up (``kill -9``) are removed by the next run;
 - outputs get the user's normal permissions (``0o777``/``0o666`` less the umask).
+
+What processes on several hosts may write into one shared folder at once (the user cache, a run's
+copy of its HF reference) goes through :func:`file_lock` (a POSIX record lock, which NFS and
+Lustre carry between hosts) or :func:`copy_directory_once` (the first rename wins); temporary names
+hold host, pid and a random token, so no two writers ever share one.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -324,3 +330,44 @@ def _write_fault(error: BaseException, target: Path) -> str | None:
     stats = os.statvfs(existing)
     return "no space left on device" if stats.f_bavail * stats.f_frsize < _NEARLY_FULL else None
 
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created if absent, never removed) while the block runs.
+
+    A POSIX record lock (``fcntl.lockf``): it excludes processes of every host that shares the
+    folder over NFS (lockd / NFSv4) or Lustre (mounted with ``flock``), not only this host's, and is
+    released by the kernel (or the server) when its holder dies.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.lockf(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(handle, fcntl.LOCK_UN)
+
+
+def copy_directory_once(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """``target`` as a copy of the directory ``source``, unless it exists; returns ``target``.
+
+    Safe with processes on several hosts doing the same into one shared folder: each copies into its
+    own staging sibling, and renaming a directory onto an existing non-empty one fails, so the first
+    rename wins and the others discard their copy. ``target`` is never seen half-written.
+    """
+    target = Path(os.path.abspath(target))
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling(target, _STAGING)
+    with write_faults_named(target, staging):
+        shutil.copytree(source, staging)
+        try:
+            os.rename(staging, target)
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not target.is_dir():
+                raise
+            shutil.rmtree(staging, ignore_errors=True)  # another process published it first
+    return target

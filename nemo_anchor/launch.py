@@ -85,16 +85,10 @@ def resolve_bridge_config(config) -> None:
     ``checkpoint.async_save`` None (``nemo_anchor.bridge.recipes`` leaves them so). The model's
     choices are the provider's ``finalize()``, which ``pretrain()`` calls.
     """
-    from megatron.core.optimizer import distrib_optimizer
-
     if config.mixed_precision == AUTO:
         config.mixed_precision = "bf16_mixed" if cuda() else None
     if config.dist.distributed_backend == AUTO:
         config.dist.distributed_backend = backend()
-    if not distrib_optimizer.HAVE_APEX_OR_TE:
-        # megatron-core 0.19 cannot load a distributed-optimizer checkpoint into torch's Adam (no Apex or TE
-        # Adam, as on the CPU): it reads a common Adam step before the state exists (distrib_optimizer.py:839)
-        config.optimizer.use_distributed_optimizer = config.ddp.use_distributed_optimizer = False
     resolve_ddp_config(config.ddp)
     if config.checkpoint.async_save is None:
         config.checkpoint.async_save = async_save() and config.checkpoint.save is not None

@@ -5,8 +5,11 @@ taking micro-batch ``m`` at ``[(m * d + r) * mb, ...)`` of each global batch. Sa
 window ``i`` of :class:`~nemo_anchor.data.WindowSampler`'s stream (epoch after epoch of seeded
 permutations), so Bridge trains on the windows ``nemo-anchor train`` trains on, in the same
 micro-batches, for any data-parallel size; its ``consumed_samples`` resumes the stream exactly.
-Batches are :func:`~nemo_anchor.data.collate_windows` output (``cu_seqlens``, ``cu_windows``); the
-forward step shards them for context parallelism.
+Batches are :func:`~nemo_anchor.data.collate_windows` output in Megatron-LM's fixed packed shapes
+(:func:`~nemo_anchor.data.fixed_shape_batch`: ``cu_seqlens`` padded with -1, ``cu_seqlens_argmin``,
+``max_seqlen``), so every tensor, pipeline and context-parallel rank holds a batch of the same
+shapes; the forward step rebuilds the document and window boundaries from them on the host and
+shards the batch for context parallelism.
 """
 from __future__ import annotations
 
@@ -14,7 +17,16 @@ from dataclasses import dataclass
 
 from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 
-from nemo_anchor.data import DEFAULT_SEED, PackedDataset, WindowSampler, WindowStream
+from nemo_anchor.data import DEFAULT_SEED, PackedDataset, WindowSampler, WindowStream, collate_windows, fixed_shape_batch
+
+
+class FixedShapeWindowStream(WindowStream):
+    """The shared window stream, batched in Megatron-LM's fixed packed shapes: Bridge's loader asks the
+    dataset for its ``collate_fn``, and every tensor rank and pipeline stage reads the same shapes."""
+
+    @staticmethod
+    def collate_fn(items: list[dict]) -> dict:
+        return fixed_shape_batch(collate_windows(items))
 
 
 @dataclass(kw_only=True)
@@ -41,15 +53,15 @@ class AnchorPackedDatasetProvider(DatasetProvider):
                              f"model.seq_length={self.seq_length}: repack or set model.seq_length")
         return dataset
 
-    def stream(self, length: int) -> WindowStream:
+    def stream(self, length: int) -> FixedShapeWindowStream:
         """The training stream, ``length`` samples long."""
         train = self.open()
-        return WindowStream(train, WindowSampler(len(train), seed=self.seed, shuffle=self.shuffle), length)
+        return FixedShapeWindowStream(train, WindowSampler(len(train), seed=self.seed, shuffle=self.shuffle), length)
 
     def build_datasets(self, context: DatasetBuildContext):
         stream = self.stream(context.train_samples)
         valid = None
         if self.valid_path and context.valid_samples:
             windows = PackedDataset(self.valid_path)
-            valid = WindowStream(windows, WindowSampler(len(windows), shuffle=False), context.valid_samples)
+            valid = FixedShapeWindowStream(windows, WindowSampler(len(windows), shuffle=False), context.valid_samples)
         return stream, valid, None

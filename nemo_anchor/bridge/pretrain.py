@@ -7,25 +7,26 @@
 
 Overrides name Bridge's ``ConfigContainer`` fields (``model.num_layers=2``, ``train.global_batch_size=2``,
 ``optimizer.lr=1e-3`` ...), plus ``dataset.path``, a ``nemo-anchor pack`` directory. Under torchrun
-each process is one rank (gloo on the CPU). ``metrics.jsonl`` is written under ``checkpoint.save``;
+each process is one rank (gloo on the CPU), in any data, tensor, pipeline and context-parallel layout. ``metrics.jsonl`` is written under ``checkpoint.save``;
 with ``checkpoint.load`` pointing there too, running the same command again resumes.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from nemo_anchor import launch
+from nemo_anchor.atomic import copy_directory_once
 from nemo_anchor.bridge import run_guard
 from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
 from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
 from nemo_anchor.model.vocab import padded_vocab_size
+from nemo_anchor.parallel.context_parallel import pads_documents
 from nemo_anchor.training.config import load_config
 
 
@@ -49,31 +50,26 @@ def apply_overrides(config, overrides: list[str]) -> None:
 def prepare(config) -> None:
     """Check the data against the model and size the vocabulary as ``nemo-anchor train`` does."""
     model, dataset = config.model, config.dataset
-    if model.tensor_model_parallel_size > 1 or model.pipeline_model_parallel_size > 1:
-        # Bridge builds the data iterator only on tensor rank 0 of the first and last stages and leaves
-        # broadcasting the batch to the forward step; ours carries variable-length cu_seqlens
-        raise ValueError(f"model.tensor_model_parallel_size={model.tensor_model_parallel_size}, "
-                         f"model.pipeline_model_parallel_size={model.pipeline_model_parallel_size}: this entry point "
-                         f"runs data and context parallelism; train tensor/pipeline layouts with nemo-anchor train")
     dataset.seq_length = model.seq_length
     windows = dataset.open()
     if model.vocab_size is None:
         model.vocab_size = padded_vocab_size(windows.tokenizer.vocab_size, model.tensor_model_parallel_size)
     windows.check_token_ids(model.vocab_size)
     config.tokenizer.vocab_size = model.vocab_size
+    if model.pipeline_model_parallel_size > 1 and (
+            config.train.micro_batch_size > 1 or pads_documents(model.attention_type, model.context_parallel_size)):
+        # Bridge's schedule sizes the activations sent between stages as [seq_length / cp, micro-batch,
+        # hidden]; a THD pack is [micro-batch * seq_length / cp, 1, hidden], longer where context
+        # parallelism pads documents: the stages send each shape ahead (as nemo-anchor train does)
+        model.variable_seq_lengths = True
     if not config.checkpoint.save:
         raise ValueError("checkpoint.save is not set: give the run's output directory")
     start = config.checkpoint.pretrained_checkpoint
-    save = Path(config.checkpoint.save)
-    # export_hf of this run needs the HF model it started from; one process copies it (the launch's
-    # ranks all run this before Bridge initialises torch.distributed), staged then renamed
-    first_rank = int(os.environ.get("RANK", "0")) == 0
-    if first_rank and start and (Path(start) / HF_REFERENCE).is_dir() and not (save / HF_REFERENCE).exists():
-        save.mkdir(parents=True, exist_ok=True)
-        staging = save / f".tmp.{HF_REFERENCE}"
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(Path(start) / HF_REFERENCE, staging)
-        os.replace(staging, save / HF_REFERENCE)
+    # export_hf of this run needs the HF model it started from. The launch's ranks all run this before
+    # Bridge initialises torch.distributed, on any host sharing the folder: the global rank 0 copies it,
+    # and a copy published first by another launch is kept
+    if int(os.environ.get("RANK", "0")) == 0 and start and (Path(start) / HF_REFERENCE).is_dir():
+        copy_directory_once(Path(start) / HF_REFERENCE, Path(config.checkpoint.save) / HF_REFERENCE)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,6 +64,18 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
                 setattr(self, flag, False)
         super().finalize()
 
+    def finalize(self) -> None:
+        """Bridge's, keeping ``variable_seq_lengths`` of a dense model (packed windows through pipeline stages).
+
+        Megatron's post-init refuses it with the default MoE token dispatcher even without experts
+        (``megatron/core/transformer/transformer_config.py:2644``); Bridge sets it after that check for
+        its own in-batch packing (``models/transformer_config.py:184-189``), and so does this.
+        """
+        variable = self.variable_seq_lengths and not self.num_moe_experts
+        self.variable_seq_lengths = self.variable_seq_lengths and not variable
+        super().finalize()
+        self.variable_seq_lengths = self.variable_seq_lengths or variable
+
     def provide_distributed_model(self, *args, use_cpu_initialization: bool | None = None, **kwargs):
         """Bridge's, keeping the config's ``use_cpu_initialization`` unless told otherwise.
 

@@ -45,7 +45,7 @@ def from_run_config(run: RunConfig, vocab_size: int | None = None) -> ConfigCont
     m, t, o = run.model, run.trainer, run.optim
     bf16 = t.precision == "bf16"
     mixed_precision = launch.AUTO if t.precision == launch.AUTO else "bf16_mixed" if bf16 else None
-    distributed_optimizer = t.distributed_optimizer  # kept only where Apex or TE is (resolve_bridge_config)
+    distributed_optimizer = t.distributed_optimizer
     vocab_size = vocab_size or m.vocab_size
     return ConfigContainer(
         model=AnchorGPTModelProvider.from_model_config(m, vocab_size, bf16=bf16),

@@ -47,10 +47,12 @@ class MetricsCallback(Callback):
         self.model_config = model_config_from_megatron(cfg.model, default_architecture="llama")
         self.stream = cfg.dataset.stream(0)
         self.devices = dist.get_world_size()
-        rank0 = dist.get_rank() == 0
+        # Megatron's last rank (is_last_rank) is on the last pipeline stage, which alone holds the loss
+        self.writes = dist.get_rank() == dist.get_world_size() - 1
         Path(cfg.checkpoint.save).mkdir(parents=True, exist_ok=True)
         self.logger = MetricsLogger(RunDir(cfg.checkpoint.save), total_steps=cfg.train.train_iters,
-                                    start_step=context.state.train_state.step, enabled=rank0, progress_bar=False)
+                                    start_step=context.state.train_state.step, enabled=self.writes,
+                                    progress_bar=False)
         self.logger.write(f"MFU against {self.peak:.4g} TFLOP/s per device ({source})")
 
     def on_train_step_start(self, context: CallbackContext) -> None:
@@ -59,6 +61,8 @@ class MetricsCallback(Callback):
         self.started = time.perf_counter()
 
     def on_train_step_end(self, context: CallbackContext) -> None:
+        if not self.writes:
+            return
         elapsed = time.perf_counter() - self.started
         cfg = context.state.cfg
         batch = cfg.train.global_batch_size

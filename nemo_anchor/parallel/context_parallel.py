@@ -201,6 +201,12 @@ def shard_plan(cu_seqlens: torch.Tensor, cu_windows: torch.Tensor, cp_size: int,
     return ShardPlan(index, (1, len(index)), padded, padded)
 
 
+def pads_documents(attention_type: str, context_parallel_size: int) -> bool:
+    """Whether :func:`shard_batch` pads every document (positions restart per document), so that a
+    micro-batch's length varies with its documents."""
+    return context_parallel_size > 1 and get_attention_type(attention_type).rope_restarts != "window"
+
+
 def _pad_documents(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Document boundaries with every document padded at its end to a multiple of ``multiple``,
     and for each padded position its original position (-1 for padding)."""

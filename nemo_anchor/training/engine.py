@@ -32,9 +32,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from nemo_anchor import gpu
-from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 from nemo_anchor.model.gpt import AnchorTransformerConfig, build_gpt_model, transformer_config
+from nemo_anchor.parallel.context_parallel import pads_documents
 from nemo_anchor.parallel.distributed import ParallelContext
 from nemo_anchor.training.config import RunConfig
 from nemo_anchor.training.forward import megatron_forward_step
@@ -127,8 +127,7 @@ def _variable_microbatch_length(config: RunConfig) -> bool:
     ``variable_seq_lengths``): context parallelism pads every document of a per-document layout
     to a multiple of 2 x its size, so micro-batches differ in length."""
     m = config.model
-    return (m.pipeline_model_parallel_size > 1 and m.context_parallel_size > 1
-            and get_attention_type(m.attention_type).rope_restarts != "window")
+    return m.pipeline_model_parallel_size > 1 and pads_documents(m.attention_type, m.context_parallel_size)
 
 
 def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, forward_only: bool) -> torch.Tensor:

@@ -16,6 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_anchor import launch
 from nemo_anchor.attention.paradigms import get_attention_type
+from nemo_anchor.data import variable_shape_batch
 from nemo_anchor.model.gpt import YarnFields
 from nemo_anchor.model.rope import install_rope_precision_hook
 from nemo_anchor.model.spec import get_layer_spec
@@ -37,11 +38,14 @@ def anchor_data_step(dataloader_iter, attention_type: str = "anchor") -> dict[st
 
     NeMo's ``gpt_data_step`` would drop ``cu_windows`` (it keeps only the keys it knows) and its
     context-parallel split ignores document boundaries, so packed windows take this path. The
-    configs bind ``attention_type``, which decides how windows are cut across ranks.
+    configs bind ``attention_type``, which decides how windows are cut across ranks. Batches in
+    Megatron-LM's fixed shapes (:func:`nemo_anchor.data.fixed_shape_batch`: padded ``cu_seqlens``,
+    ``cu_seqlens_argmin``) are turned back on the host first.
     """
     batch = next(dataloader_iter)
     if isinstance(batch, tuple):  # (batch, batch_idx, dataloader_idx) from Lightning's fetcher
         batch = batch[0]
+    batch = variable_shape_batch(batch)
     missing = [k for k in _BATCH_KEYS if k not in batch]
     if missing:
         raise ValueError(f"batch lacks {missing}: feed AnchorPackedDataModule (nemo_anchor.data.collate_windows) batches")

@@ -8,14 +8,13 @@ adds the forward work activation recomputation runs again.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import platform
 import time
 
 import torch
 
-from nemo_anchor.atomic import atomic_file
+from nemo_anchor.atomic import OutputError, atomic_file, file_lock
 from nemo_anchor.cache import cache_root
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32, cpuinfo
 from nemo_anchor.data import PackedDataset
@@ -84,6 +83,16 @@ def remembered_cpu_peak(precision: str, measured: float) -> tuple[float, str]:
     path = cache_root() / "cpu_peak_tflops.json"
     key = f"{cpuinfo('model name') or platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, {precision}"
     try:
+        # every rank of a run, on every host sharing the cache, reads, compares and writes: one at a time,
+        # or a slower rank's write would undo a faster one's
+        with file_lock(path.with_name(path.name + ".lock")):
+            return _remember_faster(path, key, precision, measured)
+    except (OSError, OutputError):  # a read-only cache only loses the memory
+        return measured, f"{precision} matmul measured on cpu at start"
+
+
+def _remember_faster(path, key: str, precision: str, measured: float) -> tuple[float, str]:
+    try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
@@ -91,9 +100,8 @@ def remembered_cpu_peak(precision: str, measured: float) -> tuple[float, str]:
     remembered = float(known.get(key, 0.0))
     if measured <= remembered:
         return remembered, f"fastest {precision} matmul measured on this CPU ({path})"
-    with contextlib.suppress(OSError):  # a read-only cache only loses the memory
-        with atomic_file(path) as staging:
-            staging.write_text(json.dumps({**known, key: measured}, indent=1))
+    with atomic_file(path) as staging:
+        staging.write_text(json.dumps({**known, key: measured}, indent=1))
     return measured, f"{precision} matmul measured on cpu at start (remembered in {path})"
 
 

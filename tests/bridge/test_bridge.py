@@ -204,9 +204,6 @@ def test_overrides_and_data_errors_name_the_key(start, tmp_path):
     apply_overrides(recipe, [f"dataset.path={root / 'packed'}", "model.seq_length=128", f"checkpoint.save={tmp_path}"])
     with pytest.raises(ValueError, match="windows of 64 tokens but model.seq_length=128"):
         prepare(recipe)
-    apply_overrides(recipe, ["model.seq_length=64", "model.tensor_model_parallel_size=2"])
-    with pytest.raises(ValueError, match="model.tensor_model_parallel_size=2"):
-        prepare(recipe)
 
 
 def test_recipes_build_and_the_context_extension_fits_the_planner():

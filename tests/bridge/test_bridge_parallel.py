@@ -1,0 +1,186 @@
+"""Megatron-Bridge's pretrain() in model-parallel layouts on packed windows (.venv-bridge, torchrun on the CPU).
+
+Every layout starts from the same weights, a 1-step Bridge checkpoint given as
+``checkpoint.pretrained_checkpoint``, and runs 3 fp32 steps on the same windows: tensor 2,
+pipeline 2 and tensor 2 x context 2 each equal one process within 1e-5. Batches reach every rank
+in Megatron-LM's fixed packed shapes. Bridge's distributed optimizer (data parallel 2) equals one
+process and resumes bit for bit, on one node and on two (two torchrun launchers under their own
+hostnames sharing this filesystem). Skipped where Megatron-Bridge is not installed.
+"""
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.bridge") is None:  # checked before nemo_anchor.bridge installs its shims
+    pytest.skip("Megatron-Bridge is not installed (scripts/setup_env.sh's .venv-bridge has it)", allow_module_level=True)
+
+import nemo_anchor.bridge  # noqa: E402,F401
+
+from nemo_anchor.cli import main as cli  # noqa: E402
+from nemo_anchor.data import PackedDataset, collate_windows, fixed_shape_batch, variable_shape_batch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
+         "How vexingly quick daft zebras jump; " * 9, "a", "Waltz, bad nymph, for quick jigs vex. " * 12] * 6
+# tiny, with heads divisible by tensor x context parallel sizes; the byte vocabulary padded for tensor 2
+SHAPE = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8, num_query_groups=4,
+             vocab_size=512)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+    """(a `nemo-anchor train` YAML over packed byte windows of 64 tokens, the packed directory)."""
+    root = tmp_path_factory.mktemp("bridge-parallel")
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    assert cli(["pack", "--input", str(root / "corpus.jsonl"), "--tokenizer", "byte", "--seq-length", "64",
+                "--output", str(root / "packed")]) == 0
+    config = root / "run.yaml"
+    config.write_text(json.dumps({
+        "output_dir": str(root / "unused"),
+        "model": {**SHAPE, "seq_length": 64, "attention_type": "anchor", "rotary_base": "10000"},
+        "data": {"path": str(root / "packed")},
+        "trainer": {"max_steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32",
+                    "progress_bar": False, "eval_batches": 0, "seed": 7},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
+        "checkpoint": {"save_every": 3},
+    }))
+    return config, root / "packed"
+
+
+def bridge_pretrain(config, save, *overrides, nproc=1, timeout=600):
+    launcher = [sys.executable, "-m", "nemo_anchor.bridge.pretrain"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", "-m", "nemo_anchor.bridge.pretrain"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([*launcher, "--config", str(config), f"checkpoint.save={save}", f"checkpoint.load={save}",
+                          "--peak-tflops", "1", *overrides], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(save) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def first_step(run_config, tmp_path_factory):
+    """A 1-step Bridge checkpoint from Bridge's own initialisation: every layout below starts from its weights."""
+    save = tmp_path_factory.mktemp("first-step")
+    bridge_pretrain(run_config[0], save, "train.train_iters=1")
+    return save
+
+
+@pytest.fixture(scope="module")
+def one_process(run_config, first_step, tmp_path_factory):
+    save = tmp_path_factory.mktemp("one-process")
+    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={first_step}")
+
+
+def test_fixed_shape_batches_carry_documents_and_windows(run_config):
+    windows = PackedDataset(run_config[1])
+    batches = [collate_windows([windows[i], windows[i + 1]]) for i in range(0, 8, 2)]
+    fixed = [fixed_shape_batch(b) for b in batches]
+    # the shapes depend only on the micro-batch size and the window length
+    assert {tuple((k, tuple(v.shape)) for k, v in f.items()) for f in fixed} == {(
+        ("tokens", (2, 64)), ("labels", (2, 64)), ("loss_mask", (2, 64)), ("position_ids", (2, 64)),
+        ("cu_seqlens", (1, 129)), ("cu_seqlens_argmin", (1,)), ("max_seqlen", (1,)))}
+    assert len({len(b["cu_seqlens"]) for b in batches}) > 1  # while the document counts differ
+    for batch, padded in zip(batches, fixed):
+        count = int(padded["cu_seqlens_argmin"])
+        assert (padded["cu_seqlens"][0, count:] == -1).all() and (padded["cu_seqlens"][0, :count] >= 0).all()
+        assert int(padded["max_seqlen"]) == int((batch["cu_seqlens"].diff()).max())
+        back = variable_shape_batch(padded)
+        assert sorted(back) == sorted(batch)
+        for key in batch:
+            assert torch.equal(back[key], batch[key]), key
+    with pytest.raises(ValueError, match="cu_seqlens_argmin=200"):
+        variable_shape_batch({**fixed[0], "cu_seqlens_argmin": torch.tensor([200])})
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(("model.tensor_model_parallel_size=2",), id="tensor2"),
+    pytest.param(("model.pipeline_model_parallel_size=2",), id="pipeline2"),
+    pytest.param(("model.tensor_model_parallel_size=2", "model.context_parallel_size=2"), id="tensor2xcontext2"),
+])
+def test_model_parallel_layout_equals_one_process(run_config, first_step, one_process, layout, tmp_path):
+    nproc = 4 if len(layout) == 2 else 2
+    losses = bridge_pretrain(run_config[0], tmp_path / "run", f"checkpoint.pretrained_checkpoint={first_step}",
+                             *layout, nproc=nproc)
+    assert sorted(losses) == [1, 2, 3] == sorted(one_process)
+    for step in losses:
+        assert losses[step] == pytest.approx(one_process[step], abs=1e-5), (step, losses, one_process)
+
+
+DISTRIBUTED_OPTIMIZER = ("optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true")
+
+
+@pytest.fixture(scope="module")
+def data_parallel_2(run_config, first_step, tmp_path_factory):
+    """3 steps on one node, two processes (data parallel 2) with Bridge's distributed optimizer."""
+    save = tmp_path_factory.mktemp("data-parallel-2")
+    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={first_step}",
+                           *DISTRIBUTED_OPTIMIZER, nproc=2)
+
+
+def test_distributed_optimizer_equals_one_process_and_resumes_exactly(run_config, first_step, one_process,
+                                                                      data_parallel_2, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    assert sorted(data_parallel_2) == [1, 2, 3]
+    for step in data_parallel_2:  # each rank updates its half of the parameters
+        assert data_parallel_2[step] == pytest.approx(one_process[step], abs=1e-5)
+    start = f"checkpoint.pretrained_checkpoint={first_step}"
+    bridge_pretrain(run_config[0], tmp_path / "split", start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2",
+                    "checkpoint.save_interval=2", nproc=2)
+    saved = dist_checkpointing.load_content_metadata(str(tmp_path / "split" / "iter_0000002"))
+    assert saved["distrib_optim_sharding_type"] == "dp_reshardable"  # the optimizer state is sharded over ranks
+    resumed = bridge_pretrain(run_config[0], tmp_path / "split", start, *DISTRIBUTED_OPTIMIZER, nproc=2)
+    assert resumed == data_parallel_2  # steps 1-2 from the first run's metrics, step 3 after the resume: bit for bit
+
+
+def can_unshare() -> bool:
+    return subprocess.run(["unshare", "-u", "true"], capture_output=True).returncode == 0
+
+
+def bridge_pretrain_on_two_nodes(config, save, *overrides, timeout=600):
+    """Two torchrun launchers of one process each, on hosts node0 and node1 (own UTS namespaces),
+    sharing this filesystem, as on a cluster of two nodes."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    launchers = [subprocess.Popen(
+        ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh",
+         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "nemo_anchor.bridge.pretrain", "--config", str(config), f"checkpoint.save={save}",
+         f"checkpoint.load={save}", "--peak-tflops", "1", *overrides],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outputs = [launcher.communicate(timeout=timeout)[0] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+    for launcher, output in zip(launchers, outputs):
+        assert launcher.returncode == 0, output[-3000:]
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(save) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.mark.skipif(not can_unshare(), reason="needs `unshare -u` (root or user namespaces)")
+def test_two_nodes_train_save_and_resume_as_one_node(run_config, first_step, data_parallel_2, tmp_path):
+    start = f"checkpoint.pretrained_checkpoint={first_step}"
+    two_nodes = tmp_path / "two-nodes"
+    bridge_pretrain_on_two_nodes(run_config[0], two_nodes, start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2",
+                                 "checkpoint.save_interval=2")
+    resumed = bridge_pretrain_on_two_nodes(run_config[0], two_nodes, start, *DISTRIBUTED_OPTIMIZER)
+    assert resumed == data_parallel_2
