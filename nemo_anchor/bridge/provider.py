@@ -57,20 +57,17 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
     devices_decided_at_construction: ClassVar[bool] = False  # in finalize()
 
     def finalize(self) -> None:
-        """Decide what this process's devices decide, then Bridge's (Megatron's deferred checks)."""
+        """Decide what this process's devices decide, then Bridge's (Megatron's deferred checks), keeping
+        ``variable_seq_lengths`` of a dense model (packed windows through pipeline stages).
+
+        Megatron's post-init refuses that flag with the default MoE token dispatcher even without experts
+        (``megatron/core/transformer/transformer_config.py:2644``); Bridge sets it after that check for
+        its own in-batch packing (``models/transformer_config.py:184-189``), and so does this.
+        """
         launch.resolve_model_config(self)
         if gpu.transformer_engine_pytorch()[0] is None:
             for flag in _FUSIONS:
                 setattr(self, flag, False)
-        super().finalize()
-
-    def finalize(self) -> None:
-        """Bridge's, keeping ``variable_seq_lengths`` of a dense model (packed windows through pipeline stages).
-
-        Megatron's post-init refuses it with the default MoE token dispatcher even without experts
-        (``megatron/core/transformer/transformer_config.py:2644``); Bridge sets it after that check for
-        its own in-batch packing (``models/transformer_config.py:184-189``), and so does this.
-        """
         variable = self.variable_seq_lengths and not self.num_moe_experts
         self.variable_seq_lengths = self.variable_seq_lengths and not variable
         super().finalize()
