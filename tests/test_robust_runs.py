@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from nemo_anchor.cli import main
-from nemo_anchor.run_dir import LOCK_FILE, RunDir, RunDirInUse, RunLock
+from nemo_anchor.run_dir import LOCK_FILE, RunDir, RunDirInUse, RunLease
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [f"Document number {i} says: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 5)
@@ -108,15 +108,15 @@ def test_allowed_changes_apply_for_real(trained, tmp_path, capsys):
 
 
 def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
-    first = RunLock(tmp_path / LOCK_FILE)
+    first = RunLease(tmp_path / LOCK_FILE)
     first.acquire()
     with pytest.raises(RunDirInUse, match=f"host {socket.gethostname()}, pid {os.getpid()}"):
-        RunLock(tmp_path / LOCK_FILE).acquire()
+        RunLease(tmp_path / LOCK_FILE).acquire()
     first.release()
     assert not (tmp_path / LOCK_FILE).exists()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
-    taker = RunLock(tmp_path / LOCK_FILE)
+    taker = RunLease(tmp_path / LOCK_FILE)
     taker.acquire()  # the holder is gone: stale
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     taker.release()
@@ -126,9 +126,9 @@ def test_runs_racing_for_a_stale_lock_get_it_once(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
     # each racer waits for the same moment, tries, says how it went; the winner holds the lock until stdin closes
-    script = ("import sys, time\nfrom nemo_anchor.run_dir import RunLock, RunDirInUse\n"
+    script = ("import sys, time\nfrom nemo_anchor.run_dir import RunLease, RunDirInUse\n"
               "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
-              "try:\n    RunLock(sys.argv[1]).acquire(); print('won', flush=True); sys.stdin.read()\n"
+              "try:\n    RunLease(sys.argv[1]).acquire(); print('won', flush=True); sys.stdin.read()\n"
               "except RunDirInUse:\n    print('refused', flush=True)\n")
     start = str(time.time() + 1.5)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
