@@ -437,7 +437,8 @@ class RunClaim:
         self.lease.start_renewing()
 
     def release(self, *, failed: bool) -> None:
-        if failed and self.fresh and not self.run.list_checkpoints():
+        # a lease taken over by another run: the folder is that run's now
+        if failed and self.fresh and not self.lease.lost.is_set() and not self.run.list_checkpoints():
             if not self.existed:
                 shutil.rmtree(self.run.root, ignore_errors=True)
                 return

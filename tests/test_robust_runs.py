@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -359,3 +360,24 @@ def test_bad_lease_timing_is_named(tmp_path, monkeypatch, variables, message):
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(message)):
         RunLease(tmp_path / LOCK_FILE)
+
+
+def test_run_whose_lease_was_taken_over_stops_without_writing(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NEMO_ANCHOR_LEASE_RENEW_S", "0.05")
+    monkeypatch.setenv("NEMO_ANCHOR_LEASE_TIMEOUT_S", "0.1")
+    run = tmp_path / "run"
+    intruder = json.dumps(_lease_record(pid=1, token="another run"))
+
+    def take_over():  # another run takes the lease over while this one trains (its lease looked expired)
+        while not (run / LOCK_FILE).exists():
+            time.sleep(0.01)
+        (run / LOCK_FILE).write_text(intruder)
+
+    thief = threading.Thread(target=take_over, daemon=True)
+    thief.start()
+    status = main(["train", "--config", str(trained / "config.yaml"), f"output_dir={run}", "trainer.max_steps=10000"])
+    thief.join()
+    assert status == 2
+    assert "another run took this run's lease over; this run stops at step" in error_line(capsys)
+    assert run.is_dir() and (run / LOCK_FILE).read_text() == intruder  # the folder and the lease are the other run's
+    assert not RunDir(run).list_checkpoints()  # nothing saved after the lease was lost

@@ -262,7 +262,7 @@ class Trainer:
                                                      self.ctx.data_parallel_size)], None
         except ValueError as err:  # a corrupt window: every rank stops, not only the one that read it
             batches, unreadable = None, str(err)
-        if self._agree(unreadable is not None):
+        if self._agree(unreadable is not None)[0]:
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, unreadable)
             raise ValueError(next(message for message in messages if message is not None))
@@ -335,7 +335,10 @@ class Trainer:
                     valid_loss = self.evaluate()
                     if valid_loss is not None:
                         logger.log_eval(self.step, {"valid_loss": valid_loss})
-                stop_now = self._agree(stop.requested)
+                stop_now, lease_lost = self._agree(stop.requested, self._lease_lost())
+                if lease_lost:  # another run writes into output_dir now: this one must not write another byte
+                    raise RunDirInUse(f"output_dir {self.run.root}: another run took this run's lease over; this run "
+                                      f"stops at step {self.step} without saving")
                 if stop_now or (c.save_every and self.step % c.save_every == 0):
                     saved = self.save()
                 if stop_now:
@@ -376,11 +379,15 @@ class Trainer:
             self._say(f"warning: nemo-anchor plan estimates {plan.total / memory.GIB:.1f} GiB per GPU, more than "
                       f"the {plan.gpu_bytes / memory.GIB:.1f} GiB of this one" + (f"; try {fix}" if fix else ""))
 
-    def _agree(self, flag: bool) -> bool:
-        """Every rank stops at the same step when any rank received the signal."""
-        value = torch.tensor([int(flag)], device=self.ctx.device)
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Each flag, set on every rank when any rank set it (one all-reduce): every rank stops at the same step."""
+        value = torch.tensor([int(flag) for flag in flags], device=self.ctx.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return [bool(v) for v in value.tolist()]
+
+    def _lease_lost(self) -> bool:
+        """Whether another run took this run's lease over (known to rank 0, which holds it)."""
+        return self._claim is not None and self._claim.lease.lost.is_set()
 
 
 def _saved_data_fingerprint(checkpoint: Path) -> str | None:
