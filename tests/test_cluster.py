@@ -22,7 +22,7 @@ import pytest
 
 from nemo_anchor.cli import main
 from nemo_anchor.run_dir import LOCK_FILE, RunDir, checkpoint_step
-from tiny_runs import REPO, child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
+from tiny_runs import child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
 
 EXIT_PREEMPTED = 75
 LONG = 10_000  # the interrupted runs would go on for this many steps; the signal comes after step SIGNAL_AFTER

@@ -223,9 +223,9 @@ def other_host(tmp_path):
     """Start a holder of ``tmp_path/LOCK_FILE`` on host node7 (a UTS namespace); yields (process, its record)."""
     holders = []
 
-    def start(**variables):
+    def start(lock=tmp_path / LOCK_FILE, **variables):
         process = subprocess.Popen([UNSHARE, "-u", "sh", "-c", 'hostname node7; exec "$@"', "sh", sys.executable,
-                                    "-c", _HOLD, str(tmp_path / LOCK_FILE)], env=_job_env(**variables),
+                                    "-c", _HOLD, str(lock)], env=_job_env(**variables),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         holders.append(process)
         return process, json.loads(process.stdout.readline())
@@ -264,6 +264,21 @@ def test_requeued_job_takes_its_fresh_lease_over_at_once(tmp_path, other_host, m
     assert "was requeued" in lease.took_over and "host node7" in lease.took_over
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lease.record["token"]
     lease.release()
+
+
+@needs_unshare
+def test_requeued_training_resumes_where_another_node_holds_the_lease(trained, tmp_path, other_host, monkeypatch,
+                                                                      capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    other_host(lock=run / LOCK_FILE, SLURM_JOB_ID="41")  # the job ran on node7 until the scheduler requeued it
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    status, _ = resume(trained, tmp_path, "trainer.max_steps=3")
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "took over the lease of host node7" in out and "its job slurm 41 was requeued" in out
+    assert RunDir(run).list_checkpoints()[-1].name == "iter_0000003" and not (run / LOCK_FILE).exists()
 
 
 @needs_unshare

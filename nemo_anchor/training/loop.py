@@ -32,6 +32,7 @@ from nemo_anchor.training.engine import Engine, build_engine, parameters_gathere
 from nemo_anchor.training.metrics import MetricsLogger
 from nemo_anchor.training.preemption import EXIT_INTERRUPTED  # noqa: F401  (the CLI's and the tests' name)
 
+
 @dataclass
 class TrainSummary:
     output_dir: str
