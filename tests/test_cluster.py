@@ -60,6 +60,21 @@ def setup(tmp_path_factory):
     return root, data, config, script
 
 
+@pytest.fixture
+def launched():
+    """Processes a test starts; any still running at its end is stopped (SIGTERM: torchrun stops its workers)."""
+    processes: list[subprocess.Popen] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+
+
 def _losses(run) -> dict[int, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
@@ -110,7 +125,7 @@ def _check_saved_and_resume(setup, run, relaunch) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_group_sigterm_after_earlier_saves_saves_the_step_reached(setup, tmp_path, capsys):
+def test_group_sigterm_after_earlier_saves_saves_the_step_reached(setup, tmp_path, capsys, launched):
     _, _, config, script = setup
     run, exits = tmp_path / "run", tmp_path / "exits"
     exits.mkdir()
@@ -118,6 +133,7 @@ def test_group_sigterm_after_earlier_saves_saves_the_step_reached(setup, tmp_pat
     env = child_environment(EXIT_DIR=str(exits))
     process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
+    launched.append(process)
     _wait_for_step(run, SIGNAL_AFTER, [process])
     os.killpg(process.pid, signal.SIGTERM)  # the whole group: the trainer and Megatron's writer processes
     output = process.communicate(timeout=120)[0]
@@ -132,17 +148,18 @@ def test_group_sigterm_after_earlier_saves_saves_the_step_reached(setup, tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_sigterm_to_the_launcher_saves_on_every_rank(setup, tmp_path):
+def test_torchrun_sigterm_to_the_launcher_saves_on_every_rank(setup, tmp_path, launched):
     _, _, config, script = setup
     run, exits = tmp_path / "run", tmp_path / "exits"
     exits.mkdir()
     env = child_environment(EXIT_DIR=str(exits))
 
     def torchrun(*overrides) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                 "--master-port", str(_free_port()), str(script), "--config", str(config),
-                                 f"output_dir={run}", *overrides], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        launched.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                          "--master-port", str(_free_port()), str(script), "--config", str(config),
+                                          f"output_dir={run}", *overrides], env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True))
+        return launched[-1]
 
     launcher = torchrun()
     _wait_for_step(run, SIGNAL_AFTER, [launcher])
@@ -163,7 +180,7 @@ def test_torchrun_sigterm_to_the_launcher_saves_on_every_rank(setup, tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not _unshare_permitted(), reason="two nodes are simulated with a UTS namespace each "
                     "(`unshare -u`), which needs root or user namespaces; not permitted here")
-def test_two_nodes_train_save_on_sigusr1_and_resume(setup, tmp_path):
+def test_two_nodes_train_save_on_sigusr1_and_resume(setup, tmp_path, launched):
     _, _, config, script = setup
     run, exits = tmp_path / "run", tmp_path / "exits"
     exits.mkdir()
@@ -172,13 +189,15 @@ def test_two_nodes_train_save_on_sigusr1_and_resume(setup, tmp_path):
 
     def two_nodes(*overrides) -> list[subprocess.Popen]:
         port = _free_port()
-        return [subprocess.Popen(
+        nodes = [subprocess.Popen(
             ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh",
              sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
              "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
              "--signals-to-handle", FORWARDED, str(script), "--config", str(config), f"output_dir={run}",
              *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for rank in (0, 1)]
+        launched.extend(nodes)
+        return nodes
 
     launchers = two_nodes()
     _wait_for_step(run, SIGNAL_AFTER, launchers)
