@@ -283,10 +283,14 @@ class RunLease:
         if not self._hold_break():
             return True  # another run judges the lease right now: it finds it fresh, or it was not ours
         try:
-            current = self._read(self.path)
-            if current is None or current.get("token") != self.record["token"]:
-                return False
             record = {**self.record, "renewed": time.time()}
+            current = self._read(self.path)
+            if current is None:  # removed by hand (the run is alive), or being created by a run that found it gone
+                if self._create(self.path, record):
+                    self.record = record
+                return True  # not created: whoever did is known at the next renewal
+            if current.get("token") != self.record["token"]:
+                return False
             staging = self.path.with_name(f"{self.path.name}.{self.record['token']}.tmp")
             staging.write_text(json.dumps(record))
             os.replace(staging, self.path)

@@ -365,6 +365,20 @@ def test_renewal_stops_when_the_lease_was_taken_over(tmp_path):
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "another run"
 
 
+def test_lease_removed_by_hand_while_its_run_lives_is_written_again(tmp_path):
+    lease = RunLease(tmp_path / LOCK_FILE, renew_s=0.05, timeout_s=1.0)
+    lease.acquire()
+    lease.start_renewing()
+    (tmp_path / LOCK_FILE).unlink()  # what the old refusal told users to do
+    deadline = time.time() + 5
+    while not (tmp_path / LOCK_FILE).exists() and time.time() < deadline:
+        time.sleep(0.02)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lease.record["token"]
+    assert not lease.lost.is_set()
+    lease.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
 @pytest.mark.parametrize("variables, message", [
     ({"NEMO_ANCHOR_LEASE_RENEW_S": "soon"}, "NEMO_ANCHOR_LEASE_RENEW_S='soon' is not a positive number of seconds"),
     ({"NEMO_ANCHOR_LEASE_TIMEOUT_S": "-1"}, "NEMO_ANCHOR_LEASE_TIMEOUT_S='-1' is not a positive number"),
