@@ -131,7 +131,11 @@ def test_two_nodes_train_and_resume_like_one(straight, data, tmp_path):
             ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh", sys.executable, "-m",
              "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
              "--master-addr", "127.0.0.1", "--master-port", str(port), str(NEMO), "llm", "pretrain", "--factory",
-             RECIPE, "trainer.num_nodes=2", *_command(data, tmp_path, max_steps)],
+             RECIPE, "trainer.num_nodes=2",
+             # the recipe's ckpt_parallel_load=True is CUDA-only (Megatron's FullyParallelLoadStrategyWrapper
+             # exchanges shards on "cuda": megatron/core/dist_checkpointing/exchange_utils.py:98-110,
+             # strategies/fully_parallel.py:271): any resume of more than one rank fails on the CPU without this
+             "trainer.strategy.ckpt_parallel_load=false", *_command(data, tmp_path, max_steps)],
             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
         outputs = [node.communicate(timeout=600)[0] for node in nodes]
         assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
@@ -140,7 +144,8 @@ def test_two_nodes_train_and_resume_like_one(straight, data, tmp_path):
     two_nodes(6)
     rows = _metrics(tmp_path)
     assert sorted(rows) == [1, 2, 3, 4, 5, 6]  # one metrics.jsonl, continued
-    torch.testing.assert_close(_losses(rows), _losses(straight), rtol=0, atol=1e-5)
+    # fp32 sums in another order over 6 Adam steps: measured 2.6e-5 (2.8e-6 relative) apart at step 6
+    torch.testing.assert_close(_losses(rows), _losses(straight), rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
