@@ -235,15 +235,33 @@ def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host exists (one we may not signal counts as alive)."""
+def process_alive(pid: int, started: float | None = None) -> bool:
+    """Whether process ``pid`` of this host exists (one we may not signal counts as alive); with ``started``
+    (its :func:`process_start_time`), whether it is still that process and not a later one given the same pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    if started is None:
         return True
-    return True
+    now = process_start_time(pid)
+    # psutil derives the start time from the boot time, which the kernel reports to the second
+    return now is not None and abs(now - started) < 1.0
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` of this host started (seconds since the epoch); None when there is none.
+
+    With the pid it names one process for good: a pid is reused, a pid and its start time are not.
+    """
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
 
 
 @contextlib.contextmanager

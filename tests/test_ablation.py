@@ -18,7 +18,7 @@ from nemo_anchor.data.layout import DOCUMENT_SOURCES_FILE
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import loop
 from nemo_anchor.training.config import load_config
-from nemo_anchor.training.loop import EXIT_INTERRUPTED
+from nemo_anchor.training.preemption import EXIT_INTERRUPTED
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "ablation" / "tiny.yaml"

@@ -63,7 +63,8 @@ def test_recipes_built_without_cuda_equal_those_built_on_a_gpu_node(monkeypatch,
 def test_cpu_process_trains_fp32_synchronously_and_unfused():
     plugin = AnchorMixedPrecision()
     assert plugin.dtype_config.fp32 and not plugin.dtype_config.bf16 and plugin.dtype_config.params_dtype == torch.float32
-    assert not AnchorMegatronStrategy().async_save
+    strategy = AnchorMegatronStrategy()
+    assert not strategy.async_save and not strategy.parallel_load  # Megatron's fully parallel load is CUDA-only
     ddp = DistributedDataParallelConfig(overlap_grad_reduce=None, overlap_param_gather=None,
                                         use_distributed_optimizer=True)
     launch.resolve_ddp_config(ddp)
@@ -77,7 +78,8 @@ def test_gpu_process_trains_bf16_asynchronously_overlapped_and_fused(gpu_node):
     plugin = AnchorMixedPrecision()
     assert plugin.dtype_config.bf16 and plugin.dtype_config.params_dtype == torch.bfloat16
     assert plugin.precision == "bf16-mixed"
-    assert AnchorMegatronStrategy().async_save  # the CPU shim that forces synchronous saves is inert here
+    strategy = AnchorMegatronStrategy()
+    assert strategy.async_save and strategy.parallel_load  # the CPU shim that forces synchronous saves is inert here
     ddp = DistributedDataParallelConfig(overlap_grad_reduce=None, overlap_param_gather=None,
                                         use_distributed_optimizer=True)
     launch.resolve_ddp_config(ddp)
@@ -96,6 +98,7 @@ def test_gpu_process_trains_bf16_asynchronously_overlapped_and_fused(gpu_node):
 def test_what_the_user_sets_wins(gpu_node, monkeypatch):
     assert AnchorMixedPrecision(precision="32").dtype_config.fp32
     assert not AnchorMegatronStrategy(ckpt_async_save=False).async_save
+    assert not AnchorMegatronStrategy(ckpt_parallel_load=False).parallel_load
     ddp = DistributedDataParallelConfig(overlap_grad_reduce=False, overlap_param_gather=None,
                                         use_distributed_optimizer=False)
     launch.resolve_ddp_config(ddp)

@@ -1,7 +1,9 @@
 """One training run per output_dir, and a resume that changes nothing without saying so.
 
-- a second run into an output_dir in use is refused naming the holder (host, pid); a lock left by
-  a dead process is taken over, by exactly one of the runs racing for it;
+- a second run into an output_dir in use is refused naming the holder (host, pid, job); a lease left
+  by a dead process is taken over, by exactly one of the runs racing for it; so is a lease of
+  another host that was not renewed in time, or one of this run's own (requeued) scheduler job; a
+  holder is its pid and the pid's start time, so a reused pid is no holder;
 - a resume is compared with the checkpoint's config before anything is written: a change of the
   model, the attention, the data (by content, so a same-sized other dataset is caught) or the
   window is refused naming the key and both values; the LR schedule and batch size change only
@@ -11,10 +13,12 @@
 """
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +26,7 @@ import pytest
 import yaml
 
 from nemo_anchor.cli import main
-from nemo_anchor.run_dir import LOCK_FILE, RunDir, RunDirInUse, RunLock
+from nemo_anchor.run_dir import LOCK_FILE, RunDir, RunDirInUse, RunLease
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [f"Document number {i} says: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 5)
@@ -109,15 +113,15 @@ def test_allowed_changes_apply_for_real(trained, tmp_path, capsys):
 
 
 def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
-    first = RunLock(tmp_path / LOCK_FILE)
+    first = RunLease(tmp_path / LOCK_FILE)
     first.acquire()
     with pytest.raises(RunDirInUse, match=f"host {socket.gethostname()}, pid {os.getpid()}"):
-        RunLock(tmp_path / LOCK_FILE).acquire()
+        RunLease(tmp_path / LOCK_FILE).acquire()
     first.release()
     assert not (tmp_path / LOCK_FILE).exists()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
-    taker = RunLock(tmp_path / LOCK_FILE)
+    taker = RunLease(tmp_path / LOCK_FILE)
     taker.acquire()  # the holder is gone: stale
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     taker.release()
@@ -127,9 +131,9 @@ def test_runs_racing_for_a_stale_lock_get_it_once(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
     # each racer waits for the same moment, tries, says how it went; the winner holds the lock until stdin closes
-    script = ("import sys, time\nfrom nemo_anchor.run_dir import RunLock, RunDirInUse\n"
+    script = ("import sys, time\nfrom nemo_anchor.run_dir import RunLease, RunDirInUse\n"
               "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
-              "try:\n    RunLock(sys.argv[1]).acquire(); print('won', flush=True); sys.stdin.read()\n"
+              "try:\n    RunLease(sys.argv[1]).acquire(); print('won', flush=True); sys.stdin.read()\n"
               "except RunDirInUse:\n    print('refused', flush=True)\n")
     start = str(time.time() + 1.5)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -190,3 +194,220 @@ def test_user_error_under_torchrun_is_one_line_from_rank_0(trained, tmp_path, ho
     assert len(errors) == 1 and f"pid {holder}" in errors[0], output[-3000:]
     assert "[rank0]" not in output and "[rank1]" not in output, output[-3000:]  # no per-rank traceback
     assert "exitcode  : 2" in output, output[-3000:]  # torchrun's report of the ranks' exit status
+
+
+# ----------------------------------------------------------------- the lease: who may take a run folder over
+UNSHARE = shutil.which("unshare")
+
+
+def _unshare_permitted() -> bool:
+    return UNSHARE is not None and subprocess.run([UNSHARE, "-u", "true"], capture_output=True).returncode == 0
+
+
+needs_unshare = pytest.mark.skipif(not _unshare_permitted(), reason="another host is simulated with a UTS namespace "
+                                   "(`unshare -u`), which needs root or user namespaces; not permitted here")
+
+# holds the lease from another host until stdin closes: prints its record once it holds it
+_HOLD = ("import json, sys\nfrom nemo_anchor.run_dir import RunLease\n"
+         "lease = RunLease(sys.argv[1]); lease.acquire(); lease.start_renewing()\n"
+         "print(json.dumps(lease.record), flush=True); sys.stdin.read(); lease.release()\n")
+
+
+def _job_env(**variables):
+    """os.environ without any scheduler's job variables, plus ``variables``."""
+    jobs = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+    return {**{k: v for k, v in os.environ.items() if k not in jobs}, "PYTHONPATH": str(REPO), **variables}
+
+
+@pytest.fixture
+def other_host(tmp_path):
+    """Start a holder of ``tmp_path/LOCK_FILE`` on host node7 (a UTS namespace); yields (process, its record)."""
+    holders = []
+
+    def start(lock=tmp_path / LOCK_FILE, **variables):
+        process = subprocess.Popen([UNSHARE, "-u", "sh", "-c", 'hostname node7; exec "$@"', "sh", sys.executable,
+                                    "-c", _HOLD, str(lock)], env=_job_env(**variables),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        holders.append(process)
+        return process, json.loads(process.stdout.readline())
+
+    yield start
+    for process in holders:
+        process.kill()
+        process.wait()
+
+
+@needs_unshare
+def test_lease_of_a_live_run_on_another_host_is_refused_naming_host_pid_and_job(tmp_path, other_host, monkeypatch):
+    _, record = other_host(SLURM_JOB_ID="41")
+    assert record["host"] == "node7" and record["job"] == "slurm 41"
+    monkeypatch.setenv("SLURM_JOB_ID", "42")  # another job
+    with pytest.raises(RunDirInUse, match=f"host node7, pid {record['pid']}, job slurm 41") as refused:
+        RunLease(tmp_path / LOCK_FILE).acquire()
+    assert "kill" not in str(refused.value)  # that host's processes are not ours to signal
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == record["token"]
+
+
+@needs_unshare
+@pytest.mark.parametrize("variables, mine", [
+    ({"SLURM_JOB_ID": "41"}, {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "1"}),  # Slurm requeued job 41
+    ({"TORCHELASTIC_RUN_ID": "r9", "TORCHELASTIC_RESTART_COUNT": "0"},
+     {"TORCHELASTIC_RUN_ID": "r9", "TORCHELASTIC_RESTART_COUNT": "1"}),  # torchrun restarted the workers
+])
+def test_requeued_job_takes_its_fresh_lease_over_at_once(tmp_path, other_host, monkeypatch, variables, mine):
+    _, record = other_host(**variables)
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in mine.items():
+        monkeypatch.setenv(name, value)
+    lease = RunLease(tmp_path / LOCK_FILE)
+    lease.acquire()  # node7's lease was renewed a moment ago: the scheduler has ended that run
+    assert "was requeued" in lease.took_over and "host node7" in lease.took_over
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lease.record["token"]
+    lease.release()
+
+
+@needs_unshare
+def test_requeued_training_resumes_where_another_node_holds_the_lease(trained, tmp_path, other_host, monkeypatch,
+                                                                      capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    other_host(lock=run / LOCK_FILE, SLURM_JOB_ID="41")  # the job ran on node7 until the scheduler requeued it
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    status, _ = resume(trained, tmp_path, "trainer.max_steps=3")
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "took over the lease of host node7" in out and "its job slurm 41 was requeued" in out
+    assert RunDir(run).list_checkpoints()[-1].name == "iter_0000003" and not (run / LOCK_FILE).exists()
+
+
+@needs_unshare
+def test_two_live_steps_of_one_job_are_not_a_requeue(tmp_path, other_host, monkeypatch):
+    _, record = other_host(SLURM_JOB_ID="41", SLURM_RESTART_COUNT="2")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    with pytest.raises(RunDirInUse, match="job slurm 41 restart 2"):
+        RunLease(tmp_path / LOCK_FILE).acquire()
+
+
+@needs_unshare
+def test_lease_not_renewed_within_its_timeout_is_taken_over_from_any_host(tmp_path, other_host, monkeypatch):
+    monkeypatch.setenv("NEMO_ANCHOR_LEASE_RENEW_S", "0.2")
+    monkeypatch.setenv("NEMO_ANCHOR_LEASE_TIMEOUT_S", "1.5")
+    holder, record = other_host(NEMO_ANCHOR_LEASE_RENEW_S="0.2", NEMO_ANCHOR_LEASE_TIMEOUT_S="1.5")
+    time.sleep(2.0)  # renewed all along: still held
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["renewed"] > record["renewed"] + 1.0
+    with pytest.raises(RunDirInUse, match="host node7"):
+        RunLease(tmp_path / LOCK_FILE).acquire()
+    holder.kill()  # node7 fails: nobody renews its lease, and its pid cannot be checked from here
+    holder.wait()
+    time.sleep(1.7)
+    lease = RunLease(tmp_path / LOCK_FILE)
+    lease.acquire()
+    assert "not renewed for" in lease.took_over
+    lease.release()
+
+
+def _lease_record(**fields):
+    return {"host": socket.gethostname(), "started": "then", "renewed": time.time(), "timeout_s": 300.0,
+            "token": "0123456789abcdef", **fields}
+
+
+def test_lease_naming_this_runs_own_pid_from_an_earlier_life_is_taken_over(tmp_path):
+    # a container restarted under the same hostname: this run got the pid its predecessor had
+    (tmp_path / LOCK_FILE).write_text(json.dumps(_lease_record(pid=os.getpid(), pid_started=1.0e9)))
+    lease = RunLease(tmp_path / LOCK_FILE)
+    lease.acquire()
+    assert f"pid {os.getpid()} is another process now" in lease.took_over
+    lease.release()
+
+
+def test_lease_naming_a_reused_pid_is_taken_over_and_never_advises_killing_it(tmp_path):
+    (tmp_path / LOCK_FILE).write_text(json.dumps(_lease_record(pid=1, pid_started=12345.0)))  # pid 1 started at boot
+    lease = RunLease(tmp_path / LOCK_FILE)
+    lease.acquire()
+    assert "pid 1 is another process now" in lease.took_over
+    lease.release()
+
+
+def test_lease_held_by_this_same_process_is_refused_without_advising_to_kill_it(tmp_path):
+    first = RunLease(tmp_path / LOCK_FILE)
+    first.acquire()
+    with pytest.raises(RunDirInUse, match="an earlier run in this same process") as refused:
+        RunLease(tmp_path / LOCK_FILE).acquire()
+    assert "kill" not in str(refused.value)
+    first.release()
+
+
+def test_old_lock_without_start_time_naming_a_live_pid_is_kept_until_it_expires(tmp_path, holder):
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": holder}))
+    with pytest.raises(RunDirInUse, match=f"kill -TERM {holder}"):
+        RunLease(lock).acquire()
+    old = time.time() - 301
+    os.utime(lock, (old, old))  # not renewed for longer than the timeout: the pid may be another process's now
+    lease = RunLease(lock)
+    lease.acquire()
+    assert "may be another process now" in lease.took_over
+    lease.release()
+
+
+def test_renewal_stops_when_the_lease_was_taken_over(tmp_path):
+    lease = RunLease(tmp_path / LOCK_FILE, renew_s=0.1, timeout_s=0.5)
+    lease.acquire()
+    lease.start_renewing()
+    first = json.loads((tmp_path / LOCK_FILE).read_text())["renewed"]
+    time.sleep(0.5)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["renewed"] > first
+    (tmp_path / LOCK_FILE).write_text(json.dumps(_lease_record(pid=1, token="another run")))  # taken over
+    assert lease.lost.wait(timeout=5)
+    lease.release()  # not this one's any more: left alone
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "another run"
+
+
+def test_lease_removed_by_hand_while_its_run_lives_is_written_again(tmp_path):
+    lease = RunLease(tmp_path / LOCK_FILE, renew_s=0.05, timeout_s=1.0)
+    lease.acquire()
+    lease.start_renewing()
+    (tmp_path / LOCK_FILE).unlink()  # what the old refusal told users to do
+    deadline = time.time() + 5
+    while not (tmp_path / LOCK_FILE).exists() and time.time() < deadline:
+        time.sleep(0.02)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lease.record["token"]
+    assert not lease.lost.is_set()
+    lease.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"NEMO_ANCHOR_LEASE_RENEW_S": "soon"}, "NEMO_ANCHOR_LEASE_RENEW_S='soon' is not a positive number of seconds"),
+    ({"NEMO_ANCHOR_LEASE_TIMEOUT_S": "-1"}, "NEMO_ANCHOR_LEASE_TIMEOUT_S='-1' is not a positive number"),
+    ({"NEMO_ANCHOR_LEASE_RENEW_S": "60", "NEMO_ANCHOR_LEASE_TIMEOUT_S": "90"}, "must be at least twice"),
+])
+def test_bad_lease_timing_is_named(tmp_path, monkeypatch, variables, message):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RunLease(tmp_path / LOCK_FILE)
+
+
+def test_run_whose_lease_was_taken_over_stops_without_writing(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NEMO_ANCHOR_LEASE_RENEW_S", "0.05")
+    monkeypatch.setenv("NEMO_ANCHOR_LEASE_TIMEOUT_S", "0.1")
+    run = tmp_path / "run"
+    intruder = json.dumps(_lease_record(pid=1, token="another run"))
+
+    def take_over():  # another run takes the lease over while this one trains (its lease looked expired)
+        while not (run / LOCK_FILE).exists():
+            time.sleep(0.01)
+        (run / LOCK_FILE).write_text(intruder)
+
+    thief = threading.Thread(target=take_over, daemon=True)
+    thief.start()
+    status = main(["train", "--config", str(trained / "config.yaml"), f"output_dir={run}", "trainer.max_steps=10000"])
+    thief.join()
+    assert status == 2
+    assert "another run took this run's lease over; this run stops at step" in error_line(capsys)
+    assert run.is_dir() and (run / LOCK_FILE).read_text() == intruder  # the folder and the lease are the other run's
+    assert not RunDir(run).list_checkpoints()  # nothing saved after the lease was lost

@@ -14,7 +14,7 @@ import yaml
 from nemo_anchor.cli import main as cli
 from nemo_anchor.convert.sources import read_checkpoint
 from nemo_anchor.run_dir import RunDir, checkpoint_step, resolve_checkpoint
-from nemo_anchor.training.loop import EXIT_INTERRUPTED
+from nemo_anchor.training.preemption import EXIT_INTERRUPTED
 from nemo_anchor.training.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]

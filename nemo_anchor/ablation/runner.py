@@ -170,7 +170,7 @@ def run_ablation(plan: AblationPlan) -> int:
     Returns 0, or EXIT_INTERRUPTED when a variant's training was stopped by SIGTERM/SIGINT (its
     checkpoint is saved; the same command resumes it).
     """
-    from nemo_anchor.training.loop import EXIT_INTERRUPTED
+    from nemo_anchor.training.preemption import EXIT_INTERRUPTED
 
     measurement = prepare(plan)
     for variant in plan.variants:

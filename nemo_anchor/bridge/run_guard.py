@@ -31,7 +31,7 @@ from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer, load_tokenizer
 from nemo_anchor.run_dir import RunClaim, RunDir
 from nemo_anchor.training import resume
-from nemo_anchor.training.loop import EXIT_INTERRUPTED
+from nemo_anchor.training.preemption import EXIT_INTERRUPTED
 
 RECORD_FILE = "run_guard.json"
 

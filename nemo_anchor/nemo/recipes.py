@@ -60,7 +60,6 @@ def anchor_trainer(num_nodes: int = 1, num_gpus_per_node: int = 8, tensor_parall
         tensor_model_parallel_size=tensor_parallelism,
         context_parallel_size=context_parallelism,
         sequence_parallel=tensor_parallelism > 1,
-        ckpt_parallel_load=True,
         gradient_as_bucket_view=True,
         ddp=run.Config(DistributedDataParallelConfig, grad_reduce_in_fp32=True, overlap_grad_reduce=None,
                        overlap_param_gather=None, average_in_collective=False, check_for_nan_in_grad=True),

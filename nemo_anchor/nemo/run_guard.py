@@ -36,9 +36,8 @@ from nemo_anchor.data.tokenizer import check_same_tokenizer, load_tokenizer
 from nemo_anchor.convert.sources import check_nemo2_weights, nemo2_tokenizer_dir
 from nemo_anchor.run_dir import RunClaim, RunDir
 from nemo_anchor.training import resume
-from nemo_anchor.training.loop import EXIT_INTERRUPTED
+from nemo_anchor.training.preemption import EXIT_INTERRUPTED, STOP_SIGNALS
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def run_config(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -179,7 +178,7 @@ class AnchorPreemption(PreemptionCallback):
     the module runs on, so any rank's signal stops all of them at the same step.
     """
 
-    def __init__(self, signals: Sequence[int] = PREEMPTION_SIGNALS, exit_code: int = EXIT_INTERRUPTED):
+    def __init__(self, signals: Sequence[int] = STOP_SIGNALS, exit_code: int = EXIT_INTERRUPTED):
         super().__init__(sig=signals[0])
         self.signals, self.exit_code = tuple(signals), exit_code
         self._device = torch.device("cpu")

@@ -4,7 +4,9 @@ The recipes (``nemo_anchor.nemo.recipes``) are built where the user types, often
 without GPUs, and run where NeMo-Run sends them. These classes take ``None`` for what the devices
 decide and fill it when NeMo builds them, in the training process (``nemo_anchor.launch``):
 asynchronous checkpoint saves and overlapped gradient reduction / parameter all-gather with CUDA,
-bf16 mixed precision with CUDA and fp32 without. A value set in the recipe or its YAML is kept.
+bf16 mixed precision with CUDA and fp32 without, and Megatron's fully parallel checkpoint load
+(CUDA only: megatron/core/dist_checkpointing/exchange_utils.py:98-110). A value set in the recipe or
+its YAML is kept.
 """
 from typing import Optional
 
@@ -14,15 +16,25 @@ from nemo import lightning as nl
 from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
 
 from nemo_anchor import launch
+from nemo_anchor.training.preemption import signals_deferred
 
 
 class AnchorMegatronStrategy(nl.MegatronStrategy):
-    """``nl.MegatronStrategy``; ``ckpt_async_save=None`` and the DDP config's ``overlap_grad_reduce`` /
-    ``overlap_param_gather`` None are decided by this process's devices."""
+    """``nl.MegatronStrategy``; ``ckpt_async_save``, ``ckpt_parallel_load`` and the DDP config's
+    ``overlap_grad_reduce`` / ``overlap_param_gather`` None are decided by this process's devices."""
 
-    def __init__(self, *args, ckpt_async_save: Optional[bool] = None, **kwargs):
+    def __init__(self, *args, ckpt_async_save: Optional[bool] = None, ckpt_parallel_load: Optional[bool] = None,
+                 **kwargs):
         super().__init__(*args, ckpt_async_save=launch.async_save() if ckpt_async_save is None else ckpt_async_save,
+                         ckpt_parallel_load=launch.cuda() if ckpt_parallel_load is None else ckpt_parallel_load,
                          **kwargs)
+
+    def save_checkpoint(self, *args, **kwargs):
+        """NeMo's save with the stop signals held back, so that the processes Megatron's writer starts
+        (its Manager, its writers) survive a signal sent to the whole process group and the
+        preemption save after it still works (:func:`nemo_anchor.training.preemption.signals_deferred`)."""
+        with signals_deferred():
+            return super().save_checkpoint(*args, **kwargs)
 
     def connect(self, model) -> None:
         super().connect(model)  # gives the DDP config the optimizer's use_distributed_optimizer

@@ -70,22 +70,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 when training reached trainer.max_steps; EXIT_INTERRUPTED after a SIGTERM/SIGINT (checkpoint saved)."""
+    """0 when training reached trainer.max_steps; trainer.preempt_exit_code (75) after SIGTERM, SIGINT or SIGUSR1
+    (checkpoint saved)."""
     import torch.distributed as dist
 
     from nemo_anchor.training.config import load_config
-    from nemo_anchor.training.loop import EXIT_INTERRUPTED, train
+    from nemo_anchor.training.loop import train
 
     overrides = list(args.overrides)
     if args.allow_change:
         keys = [key.strip() for key in args.allow_change.split(",") if key.strip()]
         overrides.append(f"checkpoint.allow_change=[{','.join(keys)}]")
-    summary = train(load_config(args.config, overrides))
+    config = load_config(args.config, overrides)
+    summary = train(config)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({"summary": asdict(summary)}, indent=2))
     if dist.is_initialized():
         dist.destroy_process_group()
-    return EXIT_INTERRUPTED if summary.stopped_by_signal else 0
+    return config.trainer.preempt_exit_code if summary.stopped_by_signal else 0
 
 
 def _vocab_size(config) -> int:

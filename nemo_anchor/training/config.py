@@ -41,6 +41,8 @@ class TrainerConfig:
     num_threads: int = 0  # torch intra-op threads on the CPU; 0 keeps torch's default
     progress_bar: bool = True
     peak_tflops: Optional[float] = None  # per-device peak for MFU; default: the GPU's published bf16 peak, else measured
+    # exit status after SIGTERM/SIGINT/SIGUSR1 and the checkpoint they save (75, EX_TEMPFAIL: run again to resume)
+    preempt_exit_code: int = 75
 
 
 @dataclass
@@ -88,6 +90,8 @@ class RunConfig:
                 bad(f"trainer.{key}", getattr(t, key), "must be >= 1")
         if t.peak_tflops is not None and not t.peak_tflops > 0:
             bad("trainer.peak_tflops", t.peak_tflops, "must be a positive number of TFLOP/s per device (or null)")
+        if not 1 <= t.preempt_exit_code <= 255:
+            bad("trainer.preempt_exit_code", t.preempt_exit_code, "must be an exit status from 1 to 255")
         if t.global_batch_size % t.micro_batch_size:
             bad("trainer.global_batch_size", t.global_batch_size,
                 f"must be a multiple of trainer.micro_batch_size={t.micro_batch_size}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +27,10 @@ from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, checkpoint_step, read_run_config
 from nemo_anchor.training import checkpoint as ckpt
-from nemo_anchor.training import memory, resume, throughput
+from nemo_anchor.training import memory, preemption, resume, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
 from nemo_anchor.training.engine import Engine, build_engine, parameters_gathered, run_microbatches, train_step
 from nemo_anchor.training.metrics import MetricsLogger
-
-# exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint (EX_TEMPFAIL: run it again to resume)
-EXIT_INTERRUPTED = 75
 
 
 @dataclass
@@ -46,27 +42,6 @@ class TrainSummary:
     checkpoint: str | None
     tokens_per_s: float
     stopped_by_signal: bool
-
-
-class _StopRequest:
-    """SIGTERM/SIGINT -> finish the current step, save a checkpoint, exit with EXIT_INTERRUPTED."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(ValueError):  # not the main thread
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -152,13 +127,15 @@ class Trainer:
             try:
                 with write_faults_named(self.run.root):  # a read-only or full disk names the run folder
                     claim = RunClaim(self.run)
-            except (RunDirInUse, OutputError) as err:
+            except ValueError as err:  # RunDirInUse, OutputError, a bad NEMO_ANCHOR_LEASE_* variable
                 refusal[0] = str(err)
             except OSError as err:
                 refusal[0] = f"cannot write {self.run.root}: {err.strerror or err}"
         dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
             raise RunDirInUse(refusal[0])
+        if claim is not None and claim.lease.took_over:
+            self._say(f"took over the lease of {claim.lease.took_over}")
         return claim
 
     def _release(self, *, failed: bool) -> None:
@@ -285,7 +262,7 @@ class Trainer:
                                                      self.ctx.data_parallel_size)], None
         except ValueError as err:  # a corrupt window: every rank stops, not only the one that read it
             batches, unreadable = None, str(err)
-        if self._agree(unreadable is not None):
+        if self._agree(unreadable is not None)[0]:
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, unreadable)
             raise ValueError(next(message for message in messages if message is not None))
@@ -312,13 +289,16 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_fingerprint}
-        with parameters_gathered(self.engine):
+        # signals deferred: the writer processes Megatron starts and keeps must survive a group SIGTERM
+        with parameters_gathered(self.engine), preemption.signals_deferred():
             return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
                                         self.config.checkpoint.keep_last, self.config.checkpoint.save_every)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:
-        """Train to ``trainer.max_steps`` (or a SIGTERM/SIGINT); the output_dir's lock is released at the end."""
+        """Train to ``trainer.max_steps``, or to the step every rank reached when SIGTERM, SIGINT or SIGUSR1 came
+        (:mod:`~nemo_anchor.training.preemption`: saved, then ``stopped_by_signal``); the output_dir's lease is
+        released at the end."""
         try:
             summary = self._fit()
         except BaseException:
@@ -337,7 +317,7 @@ class Trainer:
         last, stopped = None, False
         saved = self.resumed_from if self.resumed_from is not None else None
         started, tokens_seen = time.perf_counter(), 0
-        with _StopRequest() as stop:
+        with preemption.StopRequest() as stop:
             while self.step < t.max_steps:
                 step_start = time.perf_counter()
                 last = self.train_step()
@@ -354,13 +334,16 @@ class Trainer:
                     valid_loss = self.evaluate()
                     if valid_loss is not None:
                         logger.log_eval(self.step, {"valid_loss": valid_loss})
-                stop_now = self._agree(stop.requested)
+                stop_now, lease_lost = self._agree(stop.requested, self._lease_lost())
+                if lease_lost:  # another run writes into output_dir now: this one must not write another byte
+                    raise RunDirInUse(f"output_dir {self.run.root}: another run took this run's lease over; this run "
+                                      f"stops at step {self.step} without saving")
                 if stop_now or (c.save_every and self.step % c.save_every == 0):
                     saved = self.save()
                 if stop_now:
                     stopped = True
-                    logger.write(f"stop requested: saved {saved} at step {self.step}; run the same command "
-                                 f"again to resume")
+                    logger.write(f"stop requested ({stop.signal_name or 'by another rank'}): saved {saved} at step "
+                                 f"{self.step}; run the same command again to resume")
                     break
         if not stopped and (saved is None or checkpoint_step(saved) != self.step):
             saved = self.save()
@@ -396,11 +379,15 @@ class Trainer:
             self._say(f"warning: nemo-anchor plan estimates {plan.total / memory.GIB:.1f} GiB per GPU, more than "
                       f"the {plan.gpu_bytes / memory.GIB:.1f} GiB of this one" + (f"; try {fix}" if fix else ""))
 
-    def _agree(self, flag: bool) -> bool:
-        """Every rank stops at the same step when any rank received the signal."""
-        value = torch.tensor([int(flag)], device=self.ctx.device)
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Each flag, set on every rank when any rank set it (one all-reduce): every rank stops at the same step."""
+        value = torch.tensor([int(flag) for flag in flags], device=self.ctx.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return [bool(v) for v in value.tolist()]
+
+    def _lease_lost(self) -> bool:
+        """Whether another run took this run's lease over (known to rank 0, which holds it)."""
+        return self._claim is not None and self._claim.lease.lost.is_set()
 
 
 def _saved_data_fingerprint(checkpoint: Path) -> str | None:

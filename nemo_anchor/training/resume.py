@@ -32,6 +32,7 @@ ALLOWABLE = frozenset(SCHEDULE + ("trainer.global_batch_size", "optim.clip_grad"
 FREE = frozenset({
     "output_dir", "trainer.max_steps", "trainer.micro_batch_size", "trainer.log_every", "trainer.eval_every",
     "trainer.eval_batches", "trainer.num_threads", "trainer.progress_bar", "trainer.peak_tflops",
+    "trainer.preempt_exit_code",
     "checkpoint.save_every", "checkpoint.keep_last", "checkpoint.resume", "checkpoint.allow_change",
     "data.valid_path", "model.recompute", "model.recompute_num_layers", "model.context_parallel_size",
     "model.cp_comm_type", "model.attention_backend",

@@ -1,0 +1,86 @@
+"""Preemption: SIGTERM, SIGINT and SIGUSR1 finish the step, save a checkpoint, and exit with status 75.
+
+Slurm, Kubernetes and torchrun deliver SIGTERM to a whole process group (torchrun forwards it to
+each worker's group and kills the workers 30 s later); Slurm's ``--signal=USR1@120`` sends SIGUSR1
+two minutes before the time limit. The trainer stops at the step every rank has reached (the
+ranks agree on the flag at step boundaries), saves, and exits with :data:`EXIT_INTERRUPTED`
+(EX_TEMPFAIL: run the same command again to resume; ``trainer.preempt_exit_code`` changes it).
+
+The public API, for any front door::
+
+    with StopRequest() as stop:             # the handlers are installed for the block, then restored
+        for step in ...:
+            ...
+            if agreed(stop.requested):     # e.g. an all_reduce(MAX) of the flag
+                with signals_deferred():    # the save's helper processes survive a group signal
+                    save()
+                sys.exit(EXIT_INTERRUPTED)
+
+:func:`signals_deferred` is what makes a save after the signal work: wrap every checkpoint save in
+it (the scheduled ones too), because Megatron starts the processes a save needs during the first
+save and keeps some of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Iterator
+
+# exit status of a run stopped by a signal after saving its checkpoint (EX_TEMPFAIL: run it again to resume)
+EXIT_INTERRUPTED = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class StopRequest:
+    """While entered: :data:`STOP_SIGNALS` set ``requested`` (and ``signal_name``) instead of ending the process.
+
+    Installed from the main thread only (Python runs signal handlers there); elsewhere it does nothing.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Block :data:`STOP_SIGNALS` in this thread for the block; the processes started in it inherit the block.
+
+    Why: Megatron's ``dist_checkpointing`` writer keeps a multiprocessing Manager, spawned during
+    the first save (megatron/core/dist_checkpointing/strategies/filesystem_async.py:51-56 in
+    megatron-core 0.16.1), and forks one writer per bucket on every save (:266); the asynchronous
+    save's persistent worker is spawned too (async_utils.py:298, :327). A signal to the whole
+    process group kills the Manager, and the save after the signal fails with ``BrokenPipeError``.
+    A blocked signal stays pending in a child (the Manager ignores it for good; it ends when this
+    process shuts it down or with SIGKILL), and in this process is handled when the block ends
+    (another thread may take it earlier: the handler only sets a flag).
+
+    Python's resource tracker, which ``spawn`` starts on first use, unblocks SIGINT and SIGTERM in
+    the calling thread after starting itself (``multiprocessing.resource_tracker.ensure_running``):
+    it is started here first (resource_tracker.py:147-151 in Python 3.11), so that it leaves this block alone.
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -1,0 +1,216 @@
+"""The trainer as a cluster runs it: preempted by a signal to its process group, under torchrun, on two "nodes".
+
+- SIGTERM to the whole process group after earlier saves (how Slurm, Kubernetes and torchrun
+  deliver it; Megatron's checkpoint writer keeps helper processes that the signal reaches too)
+  saves the step every rank reached and exits 75; SIGUSR1 (Slurm's ``--signal=USR1@120``) does the same;
+- under torchrun, SIGTERM to the launcher reaches every worker, which save and exit 75;
+- two torchrun launchers, each in its own UTS namespace with its own hostname, sharing this
+  filesystem, train, save and resume;
+- and every interrupted run, resumed by the same command, gives the losses of an uninterrupted run
+  (float64-free: fp32 on the CPU, where 1, 2 processes and 2 nodes give the same sums).
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nemo_anchor.cli import main
+from nemo_anchor.run_dir import LOCK_FILE, RunDir, checkpoint_step
+from tiny_runs import child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
+
+EXIT_PREEMPTED = 75
+LONG = 10_000  # the interrupted runs would go on for this many steps; the signal comes after step SIGNAL_AFTER
+SIGNAL_AFTER = 5
+MORE = 2  # the resumed runs take this many steps beyond the one the signal saved
+# torchrun forwards these to its workers (its default lacks Slurm's SIGUSR1)
+FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+# every rank records the exit status it returns (torchrun reports none of them once it was signalled)
+_RECORD_EXIT = '''
+import os, sys
+from nemo_anchor.training.cli import main
+
+if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-import this module
+    status = main()
+    with open(os.path.join(os.environ["EXIT_DIR"], "rank%s" % os.environ.get("RANK", "0")), "w") as out:
+        out.write(str(status))
+    sys.exit(status)
+'''
+
+
+def _unshare_permitted() -> bool:
+    unshare = shutil.which("unshare")
+    return unshare is not None and subprocess.run([unshare, "-u", "true"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(packed data, the tiny config for 2 data-parallel ranks, the launcher that records exit statuses)."""
+    root = tmp_path_factory.mktemp("cluster")
+    data = pack_texts(root)
+    config = tiny_config(root / "run", data, max_steps=LONG, global_batch_size=2)
+    script = root / "record_exit.py"
+    script.write_text(_RECORD_EXIT)
+    return root, data, config, script
+
+
+@pytest.fixture
+def launched():
+    """Processes a test starts; any still running at its end is stopped (SIGTERM: torchrun stops its workers)."""
+    processes: list[subprocess.Popen] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+
+
+def _losses(run) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def _reference(setup, steps: int) -> dict[int, float]:
+    """The losses of the first ``steps`` steps of an uninterrupted run (in this process, run once for all tests)."""
+    root, _, config, _ = setup
+    out = root / "reference"
+    if not out.exists() or max(_losses(out)) < steps:
+        shutil.rmtree(out, ignore_errors=True)
+        length = max(steps, 3 * SIGNAL_AFTER)
+        assert main(["train", "--config", str(config), f"output_dir={out}", f"trainer.max_steps={length}"]) == 0
+    return {step: loss for step, loss in _losses(out).items() if step <= steps}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for_step(run, step: int, processes: list[subprocess.Popen]) -> None:
+    deadline = time.time() + 180
+    while not (run / "metrics.jsonl").is_file() or max(_losses(run), default=0) < step:
+        for process in processes:
+            assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.time() < deadline, "the run did not reach step %d" % step
+        time.sleep(0.2)
+
+
+def _exit_statuses(exits) -> dict[str, int]:
+    return {path.name: int(path.read_text()) for path in sorted(exits.iterdir())}
+
+
+def _check_saved_and_resume(setup, run, relaunch) -> None:
+    """The signal's checkpoint is the last step logged, after the scheduled ones; the same command (``relaunch``
+    with a nearer trainer.max_steps) resumes it; all losses equal an uninterrupted run's."""
+    reached = max(_losses(run))
+    saved = [checkpoint_step(path) for path in RunDir(run).list_checkpoints()]
+    assert saved[-1] == reached >= SIGNAL_AFTER and saved[0] % 2 == 0, saved  # earlier scheduled saves, then this
+    assert not (run / LOCK_FILE).exists()
+    output = relaunch(f"trainer.max_steps={reached + MORE}")
+    assert f"resumed from {run / 'checkpoints' / f'iter_{reached:07d}'} at step {reached}" in output
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, reached + MORE + 1))
+    assert losses == pytest.approx(_reference(setup, reached + MORE), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_group_sigterm_after_earlier_saves_saves_the_step_reached(setup, tmp_path, capsys, launched):
+    _, _, config, script = setup
+    run, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    command = [sys.executable, str(script), "--config", str(config), f"output_dir={run}"]
+    env = child_environment(EXIT_DIR=str(exits))
+    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    launched.append(process)
+    _wait_for_step(run, SIGNAL_AFTER, [process])
+    os.killpg(process.pid, signal.SIGTERM)  # the whole group: the trainer and Megatron's writer processes
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == EXIT_PREEMPTED, output[-3000:]
+    assert "BrokenPipeError" not in output and "stop requested (SIGTERM)" in output
+
+    def relaunch(*overrides):  # the same command, in this process
+        assert main(["train", "--config", str(config), f"output_dir={run}", *overrides]) == 0
+        return capsys.readouterr().out
+
+    _check_saved_and_resume(setup, run, relaunch)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_sigterm_to_the_launcher_saves_on_every_rank(setup, tmp_path, launched):
+    _, _, config, script = setup
+    run, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    env = child_environment(EXIT_DIR=str(exits))
+
+    def torchrun(*overrides) -> subprocess.Popen:
+        launched.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                          "--master-port", str(_free_port()), str(script), "--config", str(config),
+                                          f"output_dir={run}", *overrides], env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True))
+        return launched[-1]
+
+    launcher = torchrun()
+    _wait_for_step(run, SIGNAL_AFTER, [launcher])
+    launcher.send_signal(signal.SIGTERM)  # torchrun forwards it to each worker's process group
+    output = launcher.communicate(timeout=120)[0]
+    assert _exit_statuses(exits) == {"rank0": EXIT_PREEMPTED, "rank1": EXIT_PREEMPTED}, output[-3000:]
+    assert "stop requested (SIGTERM)" in output
+
+    def relaunch(*overrides):
+        again = torchrun(*overrides)
+        output = again.communicate(timeout=180)[0]
+        assert again.returncode == 0, output[-3000:]
+        return output
+
+    _check_saved_and_resume(setup, run, relaunch)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _unshare_permitted(), reason="two nodes are simulated with a UTS namespace each "
+                    "(`unshare -u`), which needs root or user namespaces; not permitted here")
+def test_two_nodes_train_save_on_sigusr1_and_resume(setup, tmp_path, launched):
+    _, _, config, script = setup
+    run, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    # the simulated hostnames do not resolve: gloo is told the interface
+    env = child_environment(EXIT_DIR=str(exits), GLOO_SOCKET_IFNAME="lo")
+
+    def two_nodes(*overrides) -> list[subprocess.Popen]:
+        port = _free_port()
+        nodes = [subprocess.Popen(
+            ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh",
+             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "--signals-to-handle", FORWARDED, str(script), "--config", str(config), f"output_dir={run}",
+             *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for rank in (0, 1)]
+        launched.extend(nodes)
+        return nodes
+
+    launchers = two_nodes()
+    _wait_for_step(run, SIGNAL_AFTER, launchers)
+    for launcher in launchers:  # Slurm's --signal=USR1@120 signals every task: here, each node's torchrun
+        launcher.send_signal(signal.SIGUSR1)
+    outputs = [launcher.communicate(timeout=120)[0] for launcher in launchers]
+    assert _exit_statuses(exits) == {"rank0": EXIT_PREEMPTED, "rank1": EXIT_PREEMPTED}, outputs[0][-3000:]
+    assert "stop requested (SIGUSR1)" in outputs[0]
+
+    def relaunch(*overrides):
+        again = two_nodes(*overrides)
+        outputs = [launcher.communicate(timeout=180)[0] for launcher in again]
+        assert [launcher.returncode for launcher in again] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+        return outputs[0]
+
+    _check_saved_and_resume(setup, run, relaunch)
