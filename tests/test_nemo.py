@@ -175,8 +175,8 @@ def test_recipes_build_the_papers_runs(llm, packed):
     assert recipes.anchor_llama2_7b().model.config.rotary_base == 1e7  # 128K: Table 1
 
     trainer = recipe.trainer
-    on_cpu = not torch.cuda.is_available()
-    assert (trainer.max_steps, trainer.devices, trainer.accelerator) == (2000, 8, "cpu" if on_cpu else "gpu")
+    # the devices are the training process's to decide (tests/test_launch.py): nothing of this machine's
+    assert (trainer.max_steps, trainer.devices, trainer.accelerator) == (2000, 8, "auto")
     assert trainer.strategy.context_parallel_size == 8
     # every paper preset is its configs/paper file with the planner's recompute, not a copy
     from nemo_anchor.training.presets import paper_run
@@ -191,9 +191,9 @@ def test_recipes_build_the_papers_runs(llm, packed):
         assert getattr(model, "recompute_num_layers", None) == planned, config_name
     assert recipes.anchor_llama2_7b(seq_length=65_536).model.config.recompute_num_layers == paper_run(
         "llama2-7b-64k").model.recompute_num_layers
-    assert trainer.plugins is None if on_cpu else trainer.plugins.precision == "bf16-mixed"
+    assert trainer.plugins.precision is None and config.cross_entropy_loss_fusion is None  # decided at launch
     assert not trainer.strategy.ddp.average_in_collective  # gloo's AVG reduce-scatter sums (pytorch#162338)
-    assert config.calculate_per_token_loss and not config.cross_entropy_loss_fusion
+    assert config.calculate_per_token_loss
     assert isinstance(fdl.build(trainer.strategy), nl.MegatronStrategy)
     optim = fdl.build(recipe.optim)
     assert optim.lr_scheduler is None  # the paper's constant learning rate
