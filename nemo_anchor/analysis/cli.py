@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from nemo_anchor.analysis.probe import PAPER_LENGTHS, PAPER_SHIFTS, VARIANTS, ProbeSettings
-from nemo_anchor.evaluation.cli import add_model_arguments, add_overwrite_argument, reporting_errors
+from nemo_anchor.evaluation.cli import (add_model_arguments, add_overwrite_argument, reading_checkpoints,
+                                        reporting_errors)
 
 DEFAULTS = ProbeSettings()
 
@@ -42,7 +43,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return reporting_errors("probe", lambda: _run(args))
+    return reporting_errors("probe", lambda: reading_checkpoints(args, _run))
 
 
 def _run(args: argparse.Namespace) -> int:

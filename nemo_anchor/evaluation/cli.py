@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from nemo_anchor.evaluation.models import DTYPES
+from nemo_anchor.export.cli import add_verify_argument
 from nemo_anchor.evaluation.ruler import TASKS
 from nemo_anchor.evaluation.runner import EvalSettings
 
@@ -49,6 +50,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path, help="a training output_dir or one of its checkpoint directories")
     source.add_argument("--hf", type=hf_model_dir, help="a local Hugging Face model directory")
+    add_verify_argument(parser)
 
 
 def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +68,14 @@ def hf_model_dir(value: str) -> Path:
         raise argparse.ArgumentTypeError(f"{error}; use --checkpoint for a training output_dir") from None
 
 
+def reading_checkpoints(args: argparse.Namespace, work) -> int:
+    """``work(args)``, verifying every checkpoint before it is read unless ``--no-verify`` was given."""
+    from nemo_anchor.training.checkpoint import verification
+
+    with verification(args.verify):
+        return work(args)
+
+
 def reporting_errors(command: str, work) -> int:
     """Run ``work()``; bad input or settings are one line on stderr and exit status 1."""
     try:
@@ -76,7 +86,7 @@ def reporting_errors(command: str, work) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    return reporting_errors("eval", lambda: _run(args))
+    return reporting_errors("eval", lambda: reading_checkpoints(args, _run))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -98,7 +98,8 @@ class Trainer:
         self.data_fingerprint = resume.dataset_fingerprint(config.data.path)
         self._claim = self._claim_output_dir()
         try:
-            self._start()
+            with ckpt.verification(config.checkpoint.verify):  # the resumed checkpoint, model.init_from_hf's
+                self._start()
         except BaseException:
             self._release(failed=True)
             raise
@@ -124,6 +125,8 @@ class Trainer:
             self.step = int(state["step"])
             self.resumed_from = resume_from
         self.config_yaml = to_yaml(self.config)
+        self.saver = ckpt.CheckpointSaver(self.run, config.checkpoint.keep_last, config.checkpoint.save_every,
+                                          asynchronous=self._async_save())
         self._prepare_output_dir()
         if self.ctx.device.type == "cuda":
             self._warn_if_over_gpu_memory()
@@ -143,6 +146,15 @@ class Trainer:
         if kind is not None and kind != "import-hf":  # import-hf writes a run directory to train in
             raise OutputError(f"output_dir {self.run.root} holds the output of `nemo-anchor {kind}`, not a training "
                               f"run: choose another output_dir")
+
+    def _async_save(self) -> bool:
+        """checkpoint.async_save, decided from the devices this process sees when unset."""
+        wanted = self.config.checkpoint.async_save
+        available = self.ctx.device.type == "cuda" and ckpt.async_save_available()
+        if wanted and not available:
+            raise ValueError("checkpoint.async_save=true needs CUDA (Megatron's asynchronous writer synchronizes "
+                             "the device): leave it unset, or set it false")
+        return available if wanted is None else wanted
 
     def _claim_output_dir(self) -> RunClaim | None:
         """Rank 0 takes the output_dir's lock; every rank learns whether it got it."""
@@ -311,16 +323,18 @@ class Trainer:
         return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
     def save(self) -> Path:
+        """Start saving this step's checkpoint (:class:`~nemo_anchor.training.checkpoint.CheckpointSaver`); returns
+        the directory it is published as, which ``self.saver.finish()`` waits for."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_fingerprint}
         with parameters_gathered(self.engine):
-            return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
-                                        self.config.checkpoint.keep_last, self.config.checkpoint.save_every)
+            return self.saver.save(self.step, self.engine, state, self.config_yaml)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:
         """Train to ``trainer.max_steps`` (or a SIGTERM/SIGINT); the output_dir's lock is released at the end."""
         try:
             summary = self._fit()
+            self.saver.close()
         except BaseException:
             self._release(failed=True)
             raise
@@ -341,6 +355,7 @@ class Trainer:
             while self.step < t.max_steps:
                 step_start = time.perf_counter()
                 last = self.train_step()
+                self.saver.poll()  # a checkpoint written and checksummed meanwhile is published
                 elapsed = time.perf_counter() - step_start
                 flops = last.pop("flops")
                 first_step = tokens_seen == 0
@@ -360,11 +375,13 @@ class Trainer:
                     saved = self.save()
                 if stop_now:
                     stopped = True
+                    self.saver.finish()
                     logger.write(f"stop requested: saved {saved} at step {self.step}; run the same command "
                                  f"again to resume")
                     break
         if not stopped and (saved is None or checkpoint_step(saved) != self.step):
             saved = self.save()
+        self.saver.finish()  # the last checkpoint is published before the run reports it
         valid_loss = None if stopped else self.evaluate()
         if valid_loss is not None:
             logger.log_eval(self.step, {"valid_loss": valid_loss})

@@ -33,6 +33,7 @@ FREE = frozenset({
     "output_dir", "trainer.max_steps", "trainer.micro_batch_size", "trainer.log_every", "trainer.eval_every",
     "trainer.eval_batches", "trainer.num_threads", "trainer.progress_bar", "trainer.peak_tflops",
     "checkpoint.save_every", "checkpoint.keep_last", "checkpoint.resume", "checkpoint.allow_change",
+    "checkpoint.verify", "checkpoint.async_save",
     "data.valid_path", "model.recompute", "model.recompute_num_layers", "model.context_parallel_size",
     "model.cp_comm_type", "model.attention_backend",
     # checkpoints are in model space (nemo_anchor.training.optimizer_state): any layout resumes them
