@@ -17,8 +17,8 @@ def pack_texts(root, texts=TEXTS, tokenizer: str = "byte", name: str = "byte"):
     return root / name
 
 
-def train_tiny(output_dir, data_path, *overrides, max_steps: int = 4) -> int:
-    """``nemo-anchor train`` of the tiny model into ``output_dir`` (config beside it); its exit status."""
+def write_tiny_config(output_dir, data_path, max_steps: int = 4):
+    """The tiny run's config file, beside ``output_dir``; returns its path."""
     config = {
         "output_dir": str(output_dir),
         "model": {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2,
@@ -30,4 +30,9 @@ def train_tiny(output_dir, data_path, *overrides, max_steps: int = 4) -> int:
     }
     path = output_dir.parent / f"{output_dir.name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    return main(["train", "--config", str(path), *overrides])
+    return path
+
+
+def train_tiny(output_dir, data_path, *overrides, max_steps: int = 4) -> int:
+    """``nemo-anchor train`` of the tiny model into ``output_dir`` (config beside it); its exit status."""
+    return main(["train", "--config", str(write_tiny_config(output_dir, data_path, max_steps)), *overrides])

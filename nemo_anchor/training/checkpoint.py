@@ -115,9 +115,10 @@ def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_confi
     return final
 
 
-def async_save_available() -> bool:
-    """Megatron's asynchronous save synchronizes the CUDA device (filesystem_async.py, async_utils.py)."""
-    return torch.cuda.is_available()
+def async_save_available(device: torch.device) -> bool:
+    """Whether Megatron's asynchronous save can run for a trainer on ``device``: it synchronizes the CUDA device
+    and all-reduces on it (async_utils.py: TemporalAsyncCaller.schedule_async_call, maybe_finalize_async_calls)."""
+    return device.type == "cuda"
 
 
 @dataclass

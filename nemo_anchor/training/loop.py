@@ -150,7 +150,7 @@ class Trainer:
     def _async_save(self) -> bool:
         """checkpoint.async_save, decided from the devices this process sees when unset."""
         wanted = self.config.checkpoint.async_save
-        available = self.ctx.device.type == "cuda" and ckpt.async_save_available()
+        available = ckpt.async_save_available(self.ctx.device)
         if wanted and not available:
             raise ValueError("checkpoint.async_save=true needs CUDA (Megatron's asynchronous writer synchronizes "
                              "the device): leave it unset, or set it false")
