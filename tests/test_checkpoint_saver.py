@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from nemo_anchor import checksums
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training.config import load_config
@@ -64,13 +65,13 @@ def test_a_checkpoint_is_named_latest_only_once_its_checksums_are_recorded(async
     if asynchronous:
         request.getfixturevalue("cuda_stand_in")
     release = threading.Event()
-    crc32 = ckpt._crc32
+    crc32 = checksums.crc32_file
 
     def held_crc32(path):  # the background checksums wait until the test lets them go on
         assert release.wait(60)
         return crc32(path)
 
-    monkeypatch.setattr(ckpt, "_crc32", held_crc32)
+    monkeypatch.setattr(checksums, "crc32_file", held_crc32)
     config = load_config(write_tiny_config(tmp_path / "run", data),
                          [f"checkpoint.async_save={str(asynchronous).lower()}"])
     trainer = Trainer(config)

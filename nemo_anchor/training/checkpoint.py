@@ -36,7 +36,6 @@ import pickle
 import shutil
 import threading
 import time
-import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -47,12 +46,12 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from nemo_anchor.atomic import atomic_file, write_faults_named
+from nemo_anchor.checksums import crc32_file, file_checksums
 from nemo_anchor.run_dir import RunDir, checkpoint_step, checkpoints_of, is_checkpoint_dir
 from nemo_anchor.training import optimizer_state
 
 MODEL_PREFIX = "model."
 CHECKSUMS = "checksums.json"  # {file: [bytes, CRC-32]} of every other file of the checkpoint, written at save
-_CHUNK = 16 << 20
 
 
 class CheckpointError(ValueError):
@@ -144,8 +143,7 @@ class _Checksums(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.sums = {name: [(self.ckpt_dir / name).stat().st_size, _crc32(self.ckpt_dir / name)]
-                         for name in self.names}
+            self.sums = file_checksums(self.ckpt_dir, self.names)
         except BaseException as err:  # noqa: BLE001 - re-raised by CheckpointSaver.finish on the loop's thread
             self.error = err
 
@@ -325,14 +323,6 @@ def evict_old_checkpoints(run: RunDir, keep_last: int, save_every: int = 0) -> l
     return removed
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _files(ckpt_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS)
 
@@ -343,8 +333,7 @@ def record_checksums(ckpt_dir: str | os.PathLike) -> None:
     Collective: each rank reads its share of the files, rank 0 writes the manifest."""
     ckpt_dir = Path(ckpt_dir)
     names = _broadcast(_files(ckpt_dir) if _rank() == 0 else None)
-    every = _gather({name: [(ckpt_dir / name).stat().st_size, _crc32(ckpt_dir / name)]
-                     for name in names[_rank()::_world()]})
+    every = _gather(file_checksums(ckpt_dir, names[_rank()::_world()]))
     if _rank() == 0:
         sums = {name: value for part in every for name, value in part.items()}
         with atomic_file(ckpt_dir / CHECKSUMS) as staging:
@@ -376,7 +365,7 @@ def _damaged_files(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str, st
             problems[name] = f"{path} is missing"
         elif path.stat().st_size != size:
             problems[name] = f"{path} has {path.stat().st_size} bytes, {CHECKSUMS} recorded {size}"
-        elif _crc32(path) != crc:
+        elif crc32_file(path) != crc:
             problems[name] = f"{path} is corrupt: its CRC-32 differs from the one {CHECKSUMS} recorded at save"
     return problems
 
