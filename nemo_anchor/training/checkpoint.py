@@ -122,8 +122,10 @@ def async_save_available(device: torch.device) -> bool:
 
 @dataclass
 class SaveTimes:
-    """Seconds of one save: ``blocked`` the caller waited in :meth:`CheckpointSaver.save`, ``written`` from its
-    start until the files were on disk, ``published`` until the checkpoint was renamed and named latest."""
+    """Seconds of one save: ``blocked`` the training loop waited for it (in :meth:`CheckpointSaver.save`, and in
+    the :meth:`~CheckpointSaver.poll` / :meth:`~CheckpointSaver.finish` calls until it was published);
+    ``written`` from its start until every rank's files were on disk; ``published`` until it was checksummed,
+    renamed and named latest."""
 
     step: int
     blocked: float
