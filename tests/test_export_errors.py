@@ -55,7 +55,12 @@ def test_corrupt_checkpoint(ours_dir, tmp_path):
     shutil.copytree(ours_dir, broken)
     shard = next((broken / "checkpoints" / "iter_0000000").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ValueError, match="corrupt or unreadable"):
+    with pytest.raises(ValueError, match=f"{shard} has 100 bytes, checksums.json recorded"):
+        export_hf(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
+    from nemo_anchor.training.checkpoint import verification
+
+    with verification(False), pytest.raises(ValueError, match="corrupt or unreadable"):  # --no-verify: the reader's
         export_hf(broken, tmp_path / "out")
     assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
 
