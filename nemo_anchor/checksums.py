@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 CHUNK = 16 << 20
@@ -29,15 +30,31 @@ def file_checksums(root: Path, names: list[str]) -> dict[str, list[int]]:
 
 
 class RunningChecksum:
-    """``[bytes, CRC-32]`` of a file computed from the buffers as they are written, so it is never read back."""
+    """``[bytes, CRC-32]`` of a file computed from the buffers as they are written, so it is never read back.
+
+    The CRC runs on a thread of its own (zlib releases the GIL), one buffer in flight: hashing a buffer
+    overlaps producing the next. A buffer given to :meth:`update` must not change afterwards."""
 
     def __init__(self):
         self.size = self.crc = 0
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
+        self._in_flight: Future | None = None
 
     def update(self, data) -> None:
+        self._wait()
+        self._in_flight = self._thread.submit(self._add, data)
+
+    def value(self) -> list[int]:
+        self._wait()
+        self._thread.shutdown()
+        return [self.size, self.crc]
+
+    def _add(self, data) -> None:
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
 
-    def value(self) -> list[int]:
-        return [self.size, self.crc]
+    def _wait(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.result()
+            self._in_flight = None
