@@ -8,7 +8,7 @@ Tables printed:
    they are page cache the kernel can drop) and peak RSS;
 2. tokenize + pack: the embedded stdlib corpus with the byte tokenizer and with a trained BPE;
 3. serving: ``PackedDataset[i]`` of 64K windows (random order, warm page cache) and ``collate_windows``;
-4. the content digest: pre-tokenized packing with the CRC-32 of every file written (``metadata.json``'s
+4. the content digest: pre-tokenized packing with the XXH3-128 digest of every file written (``metadata.json``'s
    ``checksums``, what a resume compares) and without it, alternated in fresh processes, best of
    ``--repeats``: what the digest costs pack.
 
@@ -94,12 +94,12 @@ def worker(args) -> None:
         return result
 
     original, pipeline.write_packed = pipeline.write_packed, timed_write_packed
-    if args.no_digest:  # the digest measured by its absence: no CRC of the tokens as written, nor of the other files
-        from nemo_anchor.checksums import RunningChecksum
+    if args.no_digest:  # the digest measured by its absence: no hash of the tokens as written, nor of the other files
+        from nemo_anchor.checksums import ContentDigest
         from nemo_anchor.data import packing
 
-        RunningChecksum.update = lambda self, data: None
-        packing.file_checksums = pipeline.file_checksums = lambda root, names: {}
+        ContentDigest.update = lambda self, data: None
+        packing.file_digests = pipeline.file_digests = lambda root, names: {}
     with PeakMemory() as before:
         time.sleep(0.01)
     with PeakMemory() as memory:
@@ -195,7 +195,7 @@ def bench_digest(workdir: Path, sizes: list[int], repeats: int) -> None:
                      f"{tokens / off['packing_s'] / 1e6:.1f}M", f"{tokens / on['packing_s'] / 1e6:.1f}M",
                      f"{(on['packing_s'] / off['packing_s'] - 1) * 100:+.1f}%", f"{off['pack_s']:.2f}",
                      f"{on['pack_s']:.2f}"])
-    table(f"4. the content digest (CRC-32 of every file pack writes, tokens hashed as written): pre-tokenized "
+    table(f"4. the content digest (XXH3-128 of every file pack writes, tokens hashed as written): pre-tokenized "
           f"packing into {SEQ_LENGTH}-token windows, best of {repeats}, digest off / on",
           ["tokens", "packing s off", "packing s on", "tok/s off", "tok/s on", "digest cost", "pack() s off",
            "pack() s on"], rows)

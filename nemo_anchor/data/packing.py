@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from nemo_anchor.checksums import RunningChecksum, file_checksums
+from nemo_anchor.checksums import ContentDigest, file_digests
 from nemo_anchor.data.arrays import exclusive_cumsum, runs_of_false
 from nemo_anchor.data.layout import (DOCUMENT_DOMAINS_FILE, DOCUMENT_SOURCES_FILE, MASKED_SPANS_FILE,
                                      PADDING_DOCUMENT, SEGMENT_DOCUMENTS_FILE, SEGMENT_STARTS_FILE, TOKENS_FILE)
@@ -52,7 +52,7 @@ class PackSummary:
 def write_packed(store: DocumentStore, documents: np.ndarray, pieces: Pieces, layout: WindowLayout,
                  out_dir: Path) -> tuple[PackSummary, dict[str, list[int]]]:
     """Pack ``pieces`` of ``documents`` (global document indices) into windows under ``out_dir``; returns the
-    summary and ``{file: [bytes, CRC-32]}`` of every file written (the tokens' computed as they are written).
+    summary and ``{file: [bytes, XXH3-128]}`` of every file written (the tokens' computed as they are written).
 
     Raises:
         ValueError: the split fills no window (too few tokens with drop_last, or no documents).
@@ -85,7 +85,7 @@ def write_packed(store: DocumentStore, documents: np.ndarray, pieces: Pieces, la
     np.save(out_dir / DOCUMENT_DOMAINS_FILE, domains.astype(np.int32))
     index_files = [SEGMENT_STARTS_FILE, SEGMENT_DOCUMENTS_FILE, MASKED_SPANS_FILE, DOCUMENT_SOURCES_FILE,
                    DOCUMENT_DOMAINS_FILE]
-    checksums = {TOKENS_FILE: tokens_checksum, **file_checksums(out_dir, index_files)}  # the index files are small
+    checksums = {TOKENS_FILE: tokens_checksum, **file_digests(out_dir, index_files)}  # the index files are small
     kept_body = min(body_tokens, num_windows * body_per_window)
     return PackSummary(
         num_windows=num_windows,
@@ -141,7 +141,7 @@ def _write_tokens(store: DocumentStore, documents: np.ndarray, parts: Pieces, wr
 
     Returns:
         ``[R, 2]`` body-coordinate runs of tokens the inputs mark untrainable (NeMo loss masks), and the
-        file's ``[bytes, CRC-32]``.
+        file's ``[bytes, XXH3-128]``.
     """
     part_tag, part_eos = wrap.tag_lengths(parts), wrap.eos_lengths(parts)
     part_body = part_tag + parts.length + part_eos
@@ -171,7 +171,7 @@ class _WindowWriter:
     def __init__(self, path: Path, layout: WindowLayout, dtype: np.dtype):
         self.layout, self.dtype = layout, dtype
         self.file = open(path, "wb")
-        self.checksum = RunningChecksum()
+        self.checksum = ContentDigest()
         self.carry = np.zeros(0, dtype)
 
     def write(self, body: np.ndarray) -> None:

@@ -113,9 +113,9 @@ def _order(key: str) -> tuple[int, str]:
 
 def dataset_fingerprint(path: str | Path) -> str:
     """SHA-256 of what identifies a packed dataset: its metadata, statistics and segment index. The metadata
-    ``pack`` writes holds the CRC-32 of every file of the split, computed from every byte as it was written, so
-    two packings differing anywhere differ here; for a dataset packed before those were recorded, the first
-    and last windows of its tokens stand in."""
+    ``pack`` writes holds the XXH3-128 digest of every file of the split, computed from every byte as it was
+    written, so two packings differing anywhere differ here; for a dataset packed before those were recorded,
+    the first and last windows of its tokens stand in."""
     import json
 
     from nemo_anchor.data.layout import METADATA_FILE, SEGMENT_STARTS_FILE, STATS_FILE, TOKENS_FILE
