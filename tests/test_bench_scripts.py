@@ -86,3 +86,25 @@ def test_bench_train_prints_a_row_per_attention_type():
         assert abs(float(ratio) - float(tokens_per_s) / full_tokens_per_s) <= 0.01 + 0.01 * float(ratio)
         assert float(tflops) > 0 and 0 < float(mfu.rstrip("%")) and float(peak_mb) > 0
         assert float(hfu.rstrip("%")) >= float(mfu.rstrip("%"))  # HFU adds recomputation (none here: equal)
+
+
+def test_bench_scale_prints_what_a_save_blocks_beside_the_write_and_the_step():
+    out = _run("bench_scale.py", "--layouts", "1:1", "--steps", "2", "--save-every", "1", "--seq-length", "128")
+    header = next(i for i, line in enumerate(out.splitlines()) if "loop blocked s/save" in line)
+    name, tensor, saves, step_s, blocked, written, published = out.splitlines()[header + 1].split()
+    assert (name, tensor, saves) == ("DP1", "TP1", "2")
+    assert float(step_s) > 0 and 0 < float(written) <= float(published)
+    assert float(blocked) > 0  # synchronous on the CPU: the loop waits for the write, not for the checksums
+
+
+def test_bench_data_prints_pack_throughput_with_and_without_the_digest():
+    out = _run("bench_data.py", "--tables", "4", "--sizes", "200000", "--repeats", "1")
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("tokens") and "digest cost" in line)
+    tokens, off_s, on_s, off_rate, on_rate, cost, _, _ = lines[header + 2].split()
+    count = float(tokens.rstrip("M")) * 1e6
+    for seconds, rate in ((float(off_s), off_rate), (float(on_s), on_rate)):  # printed rounded: 0.1M, 1 ms
+        assert abs(float(rate.rstrip("M")) * 1e6 - count / seconds) <= 0.05e6 + count / seconds * 0.0006 / seconds
+    off, on = float(off_s), float(on_s)
+    rounding = 100 * 0.0005 * (1 / off + on / off**2)  # the seconds are printed to 3 decimals
+    assert abs(float(cost.rstrip("%")) - (on / off - 1) * 100) <= 0.1 + rounding

@@ -56,7 +56,12 @@ def test_corrupt_checkpoint(ours_dir, tmp_path):
     shutil.copytree(ours_dir, broken)
     shard = next((broken / "checkpoints" / "iter_0000000").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ValueError, match="corrupt or unreadable"):
+    with pytest.raises(ValueError, match=f"{shard} has 100 bytes, checksums.json recorded"):
+        export_hf(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
+    from nemo_anchor.checksums import verification
+
+    with verification(False), pytest.raises(ValueError, match="corrupt or unreadable"):  # --no-verify: the reader's
         export_hf(broken, tmp_path / "out")
     assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
 
@@ -119,8 +124,13 @@ def test_weights_that_do_not_match_the_config(ours_dir, tmp_path):
     shutil.copytree(ours_dir, edited)
     ckpt_config = edited / "checkpoints" / "iter_0000000" / "config.yaml"
     ckpt_config.write_text(ckpt_config.read_text().replace("ffn_hidden_size: 48", "ffn_hidden_size: 64"))
-    with pytest.raises(ValueError, match=r"linear_fc1.weight has shape \(96, 32\) in the weights, but the model config "
-                                         r"\(2 x ffn_hidden_size=2 x 64\) makes it \(128, 32\)"):
+    with pytest.raises(ValueError, match=f"{ckpt_config} is corrupt"):  # the edit is caught by its checksum first
+        export_hf(edited, tmp_path / "out")
+    from nemo_anchor.checksums import verification
+
+    with verification(False), pytest.raises(ValueError, match=r"linear_fc1.weight has shape \(96, 32\) in the "
+                                            r"weights, but the model config \(2 x ffn_hidden_size=2 x 64\) makes "
+                                            r"it \(128, 32\)"):
         export_hf(edited, tmp_path / "out")
 
 

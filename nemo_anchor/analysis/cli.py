@@ -42,6 +42,13 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nemo_anchor.checksums import verification
+
+    with verification(args.verify):  # a --checkpoint's files against its checksums, unless --no-verify
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from nemo_anchor.analysis.plots import plot_figure1
     from nemo_anchor.analysis.probe import run_probe
     from nemo_anchor.atomic import atomic_directory, check_output

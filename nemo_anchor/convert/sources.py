@@ -5,8 +5,9 @@ Accepted, told apart by their files:
 - a Hugging Face directory (``config.json``): a Llama, Mistral or Qwen2 checkpoint;
 - a NeMo 2 checkpoint (``weights/`` written by ``dist_checkpointing``, ``context/model.yaml``
   for the config, ``context/nemo_tokenizer/`` for HF tokenizer files when NeMo used one);
-- a nemo-anchor training ``output_dir`` (its latest checkpoint) or one ``iter_NNNNNNN``
-  checkpoint directory (``nemo_anchor.run_dir`` layout).
+- a nemo-anchor training ``output_dir`` (its newest intact checkpoint) or one ``iter_NNNNNNN``
+  checkpoint directory (``nemo_anchor.run_dir`` layout), its files verified against their checksums
+  first (:func:`nemo_anchor.checksums.verified_checkpoint`).
 
 Dist checkpoints are read tensor by tensor from their metadata, without building a model,
 so NeMo's Transformer-Engine parameter names need no TE here.
@@ -73,13 +74,14 @@ def read_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
 
 def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, Path]:
     """The ``model:`` config of an HF directory or a nemo-anchor checkpoint, without reading weights;
-    returns it with the directory the weights are in (a run's checkpoint: its newest iteration)."""
+    returns it with the directory the weights are in (a run's checkpoint: its newest intact iteration,
+    verified)."""
     path = Path(path)
     if checkpoint_kind(path) == HF:
         return _huggingface_config(path), path
-    from nemo_anchor.run_dir import resolve_checkpoint
+    from nemo_anchor.checksums import verified_checkpoint
 
-    ckpt_dir = resolve_checkpoint(path)
+    ckpt_dir = verified_checkpoint(path)
     return _nemo_anchor_config(ckpt_dir), ckpt_dir
 
 
@@ -178,9 +180,10 @@ def _nemo2_tokenizer_dir(context: Path, tokenizer: Optional[dict]) -> Optional[P
 
 
 def _read_nemo_anchor(path: Path) -> LoadedCheckpoint:
-    from nemo_anchor.run_dir import resolve_checkpoint, run_dir_of
+    from nemo_anchor.checksums import verified_checkpoint
+    from nemo_anchor.run_dir import run_dir_of
 
-    ckpt_dir = resolve_checkpoint(path)
+    ckpt_dir = verified_checkpoint(path)
     config = _nemo_anchor_config(ckpt_dir)
     tensors = read_dist_checkpoint(ckpt_dir, prefix="model.")
     # a bf16 run saves bf16 parameters; their fp32 masters are in the optimizer state

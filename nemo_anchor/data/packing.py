@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from nemo_anchor.checksums import ContentDigest, file_digests
 from nemo_anchor.data.arrays import exclusive_cumsum, runs_of_false
 from nemo_anchor.data.layout import (DOCUMENT_DOMAINS_FILE, DOCUMENT_SOURCES_FILE, MASKED_SPANS_FILE,
                                      PADDING_DOCUMENT, SEGMENT_DOCUMENTS_FILE, SEGMENT_STARTS_FILE, TOKENS_FILE)
@@ -49,8 +50,9 @@ class PackSummary:
 
 
 def write_packed(store: DocumentStore, documents: np.ndarray, pieces: Pieces, layout: WindowLayout,
-                 out_dir: Path) -> PackSummary:
-    """Pack ``pieces`` of ``documents`` (global document indices) into windows under ``out_dir``.
+                 out_dir: Path) -> tuple[PackSummary, dict[str, list[int]]]:
+    """Pack ``pieces`` of ``documents`` (global document indices) into windows under ``out_dir``; returns the
+    summary and ``{file: [bytes, XXH3-128]}`` of every file written (the tokens' computed as they are written).
 
     Raises:
         ValueError: the split fills no window (too few tokens with drop_last, or no documents).
@@ -68,7 +70,8 @@ def write_packed(store: DocumentStore, documents: np.ndarray, pieces: Pieces, la
         raise ValueError(f"{body_tokens} tokens fill no window of {layout.seq_length}"
                          + (" (the last partial window is dropped; pad it instead)" if body_tokens else ""))
 
-    mask_runs = _write_tokens(store, documents, pieces.split(PART_TOKENS), wrap, out_dir / TOKENS_FILE)
+    mask_runs, tokens_checksum = _write_tokens(store, documents, pieces.split(PART_TOKENS), wrap,
+                                               out_dir / TOKENS_FILE)
     segment_starts, segment_documents = _segments(piece_body_start, pieces.document, body_tokens, num_windows,
                                                   body_per_window)
     has_tag = piece_tag > 0
@@ -80,6 +83,9 @@ def write_packed(store: DocumentStore, documents: np.ndarray, pieces: Pieces, la
     np.save(out_dir / MASKED_SPANS_FILE, spans)
     np.save(out_dir / DOCUMENT_SOURCES_FILE, documents.astype(np.int64))
     np.save(out_dir / DOCUMENT_DOMAINS_FILE, domains.astype(np.int32))
+    index_files = [SEGMENT_STARTS_FILE, SEGMENT_DOCUMENTS_FILE, MASKED_SPANS_FILE, DOCUMENT_SOURCES_FILE,
+                   DOCUMENT_DOMAINS_FILE]
+    checksums = {TOKENS_FILE: tokens_checksum, **file_digests(out_dir, index_files)}  # the index files are small
     kept_body = min(body_tokens, num_windows * body_per_window)
     return PackSummary(
         num_windows=num_windows,
@@ -90,7 +96,7 @@ def write_packed(store: DocumentStore, documents: np.ndarray, pieces: Pieces, la
         dropped_tokens=body_tokens - kept_body,
         num_segments=len(segment_starts),
         segments_per_window_max=int(np.bincount(segment_starts // layout.seq_length).max()),
-    )
+    ), checksums
 
 
 class _Wrapping:
@@ -129,11 +135,13 @@ class _Wrapping:
         return at, values
 
 
-def _write_tokens(store: DocumentStore, documents: np.ndarray, parts: Pieces, wrap: _Wrapping, path: Path) -> np.ndarray:
+def _write_tokens(store: DocumentStore, documents: np.ndarray, parts: Pieces, wrap: _Wrapping,
+                  path: Path) -> tuple[np.ndarray, list[int]]:
     """Stream the windows into ``path``, a batch of parts at a time.
 
     Returns:
-        ``[R, 2]`` body-coordinate runs of tokens the inputs mark untrainable (NeMo loss masks).
+        ``[R, 2]`` body-coordinate runs of tokens the inputs mark untrainable (NeMo loss masks), and the
+        file's ``[bytes, XXH3-128]``.
     """
     part_tag, part_eos = wrap.tag_lengths(parts), wrap.eos_lengths(parts)
     part_body = part_tag + parts.length + part_eos
@@ -154,7 +162,7 @@ def _write_tokens(store: DocumentStore, documents: np.ndarray, parts: Pieces, wr
             writer.write(body)
             progress.update(len(body))
     writer.finish()
-    return np.concatenate(mask_runs)
+    return np.concatenate(mask_runs), writer.checksum.value()
 
 
 class _WindowWriter:
@@ -163,6 +171,7 @@ class _WindowWriter:
     def __init__(self, path: Path, layout: WindowLayout, dtype: np.dtype):
         self.layout, self.dtype = layout, dtype
         self.file = open(path, "wb")
+        self.checksum = ContentDigest()
         self.carry = np.zeros(0, dtype)
 
     def write(self, body: np.ndarray) -> None:
@@ -182,6 +191,7 @@ class _WindowWriter:
         windows[:, 0] = self.layout.anchor_id
         windows[:, 1:] = body.reshape(len(windows), self.layout.seq_length - 1)
         windows.tofile(self.file)
+        self.checksum.update(windows)
 
 
 def _window_position(body_position: np.ndarray | int, body_per_window: int):

@@ -11,6 +11,7 @@ import numpy as np
 
 from nemo_anchor.data import plan
 from nemo_anchor.atomic import atomic_directory
+from nemo_anchor.checksums import file_digests
 from nemo_anchor.data.layout import (FORMAT_NAME, FORMAT_VERSION, HISTOGRAM_FILE, METADATA_FILE, STATS_FILE,
                                      VALID_SUBDIR)
 from nemo_anchor.data.packing import WindowLayout, write_packed
@@ -176,8 +177,11 @@ def _pack_split(store: DocumentStore, documents: np.ndarray, tokenizer: Tokenize
         pieces = plan.interleaved_chunks(lengths, options.interleave_chunks, options.seq_length - 1, options.seed)
     else:
         pieces = plan.whole_documents(lengths)
-    summary = write_packed(store, documents, pieces, layout, out_dir)
+    summary, checksums = write_packed(store, documents, pieces, layout, out_dir)
     tokenizer.save(out_dir / TOKENIZER_SUBDIR)
+    tokenizer_files = sorted(str(path.relative_to(out_dir)) for path in (out_dir / TOKENIZER_SUBDIR).rglob("*")
+                             if path.is_file())
+    checksums.update(file_digests(out_dir, tokenizer_files))
     metadata = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "split": split,
         "seq_length": options.seq_length, "num_windows": summary.num_windows, "token_dtype": store.dtype.name,
@@ -185,6 +189,9 @@ def _pack_split(store: DocumentStore, documents: np.ndarray, tokenizer: Tokenize
         "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id, "tokenizer": tokenizer.name,
         "domains": store.domain_names, "valid": VALID_SUBDIR if split == "train" and options.valid_fraction else None,
         **common,
+        # {file: [bytes, XXH3-128]} of every other file of the split: the content a resume compares
+        # (nemo_anchor.training.resume.dataset_fingerprint)
+        "checksums": dict(sorted(checksums.items())),
     }
     (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
     return split_statistics(lengths, store.domains[documents], store.domain_names, summary, options.seq_length)

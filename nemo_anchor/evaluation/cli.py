@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from nemo_anchor.evaluation.models import DTYPES
+from nemo_anchor.export.cli import add_verify_argument
 from nemo_anchor.evaluation.ruler import TASKS
 from nemo_anchor.evaluation.runner import EvalSettings
 
@@ -48,6 +49,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path, help="a training output_dir or one of its checkpoint directories")
     source.add_argument("--hf", type=hf_model_dir, help="a local Hugging Face model directory")
+    add_verify_argument(parser)
 
 
 def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +68,13 @@ def hf_model_dir(value: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nemo_anchor.checksums import verification
+
+    with verification(args.verify):  # every checkpoint's files against its checksums, unless --no-verify
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from nemo_anchor.atomic import atomic_directory, check_output
     from nemo_anchor.evaluation.checkpoints import last_checkpoints
     from nemo_anchor.evaluation.models import parse_dtype

@@ -18,6 +18,7 @@ def register(subparsers) -> None:
                         help="dtype of the saved weights (default: float32, lossless from fp32 training)")
     export.add_argument("--overwrite", action="store_true",
                         help="replace OUT_DIR if an earlier export-hf wrote it (nothing else)")
+    add_verify_argument(export)
     export.set_defaults(func=run_export)
 
     imported = subparsers.add_parser(
@@ -42,13 +43,23 @@ def register(subparsers) -> None:
     prepare.set_defaults(func=run_prepare_smollm2)
 
 
+def add_verify_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="read a nemo-anchor checkpoint without checking its files against its checksums.json "
+                             "first (by default a damaged checkpoint is refused, naming the file)")
+
+
 def run_export(args: argparse.Namespace) -> int:
     import torch
 
     from nemo_anchor.export.hf import export_hf
+    from nemo_anchor.checksums import verification
 
-    return _printing(lambda: export_hf(args.checkpoint, args.out_dir, dtype=getattr(torch, args.dtype),
-                                       overwrite=args.overwrite))
+    def export():
+        with verification(args.verify):
+            return export_hf(args.checkpoint, args.out_dir, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
+
+    return _printing(export)
 
 
 def run_import(args: argparse.Namespace) -> int:

@@ -80,6 +80,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrit
     from omegaconf import OmegaConf
 
     from nemo_anchor.run_dir import RunDir
+    from nemo_anchor.training.checkpoint import record_checksums
 
     require_hf_dir(hf_dir)
     with atomic_directory(out_dir, inputs=[hf_dir], overwrite=overwrite, command="import-hf") as staging:
@@ -93,6 +94,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrit
         iteration.mkdir(parents=True)
         dist_checkpointing.save({"model": model.sharded_state_dict(prefix="model.")}, str(iteration))
         (iteration / "config.yaml").write_text(run_config)
+        record_checksums(iteration)  # read back as every checkpoint is: verified
         run.latest_file.write_text("0")
         tokenizer = load_tokenizer(ckpt)
         if tokenizer is not None:

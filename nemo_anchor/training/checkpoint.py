@@ -13,19 +13,30 @@ One checkpoint directory (layout: :mod:`nemo_anchor.run_dir`) holds
 A checkpoint is written into ``checkpoints/.tmp.iter_*`` and renamed when every rank has finished,
 so a ``kill -9`` at any moment leaves the previous complete checkpoint; a full disk is named and
 the partial checkpoint removed (:func:`nemo_anchor.atomic.write_faults_named`). Its ``CHECKSUMS``
-manifest records every file's size and CRC-32; before loading they are checked, so a missing,
-truncated or corrupt file is named and the trainer falls back to an older checkpoint
-(:func:`pick_resumable`).
+manifest records every file's size and CRC-32.
+
+Saving stays off the training loop's critical path (:class:`CheckpointSaver`): on GPUs the shards are
+written by Megatron's asynchronous ``dist_checkpointing`` save, scheduled on its ``AsyncCallsQueue``
+as NeMo's ``ckpt_async_save`` and Megatron-LM's training loop do; the CRC-32s are computed by a
+thread once the files are written. The checkpoint is renamed into place and named in ``latest`` only
+when both are done, checked between steps, before the next save and before the run ends.
+
+Every read of a checkpoint verifies it first (:func:`verified_checkpoint`, :func:`pick_resumable`):
+a missing, truncated or corrupt file is named; given a run folder, the newest intact checkpoint is
+used and the damaged ones named; a checkpoint without ``CHECKSUMS`` is said to be not verified. Only
+an explicit ``--no-verify`` / ``checkpoint.verify=false`` skips this (:func:`verification`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import pickle
 import shutil
-import zlib
-from dataclasses import replace
+import threading
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,19 +44,13 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from nemo_anchor.atomic import atomic_file, write_faults_named
+from nemo_anchor.checksums import (CHECKSUMS, CheckpointError, broadcast_from_first, file_checksums, gather_from_all,
+                                   newest_intact, say_once, verifying)
 from nemo_anchor.convert.megatron_state import MASTER_PREFIX
 from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import optimizer_state
 
 MODEL_PREFIX = "model."
-CHECKSUMS = "checksums.json"  # {file: [bytes, CRC-32]} of every other file of the checkpoint, written at save
-_CHUNK = 16 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file or key."""
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -92,41 +97,209 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run: RunDir, step: int, engine, train_state: dict, run_config_yaml: str,
                     keep_last: int, save_every: int = 0) -> Path:
-    """Save this rank's shards of the model, optimizer, ``train_state`` and RNG; returns the directory.
+    """Save this rank's shards of the model, optimizer, ``train_state`` and RNG, and wait until the checkpoint
+    is published (checksummed, renamed, named latest); returns its directory. Collective.
 
-    Every tensor handed to ``dist_checkpointing`` is a view of the training state: nothing is
-    gathered, and the only copy is the writer's host staging of what this rank writes
-    (:func:`nemo_anchor.training.memory.checkpoint_peak`). Older checkpoints beyond ``keep_last``
-    are then removed (:func:`evict_old_checkpoints`).
+    The training loop saves through a :class:`CheckpointSaver` instead, which returns at once."""
+    saver = CheckpointSaver(run, keep_last, save_every, asynchronous=False)
+    final = saver.save(step, engine, train_state, run_config_yaml)
+    saver.finish()
+    return final
+
+
+def async_save_available(device: torch.device) -> bool:
+    """Whether Megatron's asynchronous save can run for a trainer on ``device``: it synchronizes the CUDA device
+    and all-reduces on it (async_utils.py: TemporalAsyncCaller.schedule_async_call, maybe_finalize_async_calls)."""
+    return device.type == "cuda"
+
+
+@dataclass
+class SaveTimes:
+    """Seconds of one save: ``blocked`` the training loop waited for it (in :meth:`CheckpointSaver.save`, and in
+    the :meth:`~CheckpointSaver.poll` / :meth:`~CheckpointSaver.finish` calls until it was published);
+    ``written`` from its start until every rank's files were on disk; ``published`` until it was checksummed,
+    renamed and named latest."""
+
+    step: int
+    blocked: float
+    written: float | None = None
+    published: float | None = None
+
+
+class _Checksums(threading.Thread):
+    """This rank's share of a written checkpoint's CRC-32s, computed off the training loop (file reads and
+    zlib release the GIL)."""
+
+    def __init__(self, ckpt_dir: Path, names: list[str]):
+        super().__init__(name=f"checksums {ckpt_dir.name}", daemon=True)
+        self.ckpt_dir, self.names = ckpt_dir, names
+        self.sums: dict[str, list[int]] = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.sums = file_checksums(self.ckpt_dir, self.names)
+        except BaseException as err:  # noqa: BLE001 - re-raised by CheckpointSaver.finish on the loop's thread
+            self.error = err
+
+
+@dataclass
+class _Pending:
+    step: int
+    final: Path
+    tmp: Path
+    started: float
+    times: SaveTimes
+    checksums: _Checksums | None = None  # set once every rank's files are written
+
+
+class CheckpointSaver:
+    """Saves a run's checkpoints without holding the training loop for the write or the checksums.
+
+    :meth:`save` hands the shards to Megatron's ``dist_checkpointing`` (``asynchronous``: its async save,
+    scheduled on an ``AsyncCallsQueue`` that a forked writer process drains, as NeMo's ``ckpt_async_save``
+    does; otherwise written before it returns) and returns the directory the checkpoint will have. The
+    CRC-32s are then computed by a thread, the ranks sharing the files. :meth:`poll` (between steps,
+    never waiting) and :meth:`finish` (before the next save, before the run ends) publish a finished
+    checkpoint: ``CHECKSUMS`` written, the directory renamed into place, ``latest`` updated, old ones
+    evicted. Until then a resume sees the previous checkpoint. Every method is collective.
     """
-    final = run.checkpoint(step)
-    tmp = run.checkpoints / f".tmp.{final.name}"
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    model_state = engine.gpt.sharded_state_dict(prefix=MODEL_PREFIX)
-    state = {
-        "model": model_state,
-        "optimizer": optimizer_state.sharded_state(engine.optimizer, model_state, is_loading=False),
-        "train": {**train_state, "layout": layout(), "scheduler": engine.scheduler.state_dict(),
-                  "distributed_optimizer": optimizer_state.is_distributed(engine.optimizer)},
-        "rng": _rng_object(_rng_state()),
-    }
-    with write_faults_named(final, tmp):  # a full disk is named, and the partial checkpoint removed
-        dist_checkpointing.save(state, str(tmp))
+
+    def __init__(self, run: RunDir, keep_last: int, save_every: int = 0, *, asynchronous: bool = False):
+        self.run, self.keep_last, self.save_every = run, keep_last, save_every
+        self.times: list[SaveTimes] = []
+        self._queue = None
+        if asynchronous:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue()
+        self._pending: _Pending | None = None
+
+    @property
+    def asynchronous(self) -> bool:
+        return self._queue is not None
+
+    def save(self, step: int, engine, train_state: dict, run_config_yaml: str) -> Path:
+        """Start saving this rank's shards of the model, optimizer, ``train_state`` and RNG; returns the
+        directory the checkpoint will be published as.
+
+        Every tensor handed to ``dist_checkpointing`` is a view of the training state: nothing is gathered,
+        and the only copy is the writer's host staging of what this rank writes
+        (:func:`nemo_anchor.training.memory.checkpoint_peak`)."""
+        self.finish()  # one save in flight: the previous one is published first
+        started = time.perf_counter()
+        final = self.run.checkpoint(step)
+        tmp = self.run.checkpoints / f".tmp.{final.name}"
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        model_state = engine.gpt.sharded_state_dict(prefix=MODEL_PREFIX)
+        state = {
+            "model": model_state,
+            "optimizer": optimizer_state.sharded_state(engine.optimizer, model_state, is_loading=False),
+            "train": {**train_state, "layout": layout(), "scheduler": engine.scheduler.state_dict(),
+                      "distributed_optimizer": optimizer_state.is_distributed(engine.optimizer)},
+            "rng": _rng_object(_rng_state()),
+        }
+        pending = self._pending = _Pending(step, final, tmp, started, SaveTimes(step, 0.0))
+        self.times.append(pending.times)
+        with self._faults_named(pending):
+            if self._queue is None:
+                dist_checkpointing.save(state, str(tmp))
+                self._written(pending, run_config_yaml)
+            else:
+                request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+                request.add_finalize_fn(lambda: self._written(pending, run_config_yaml))
+                self._queue.schedule_async_request(request)
+        pending.times.blocked += time.perf_counter() - pending.started
+        return final
+
+    def poll(self) -> None:
+        """Publish the checkpoint in flight if it is written and checksummed on every rank; never waits."""
+        pending, started = self._pending, time.perf_counter()
+        if pending is None:
+            return
+        with self._faults_named(pending):
+            if self._queue is not None:
+                self._queue.maybe_finalize_async_calls(blocking=False)
+            done = pending.checksums is not None and not pending.checksums.is_alive()
+        if _all_ranks(done):
+            self._publish()
+        pending.times.blocked += time.perf_counter() - started
+
+    def finish(self) -> Path | None:
+        """Wait for the checkpoint in flight and publish it; returns its directory (None: none in flight)."""
+        pending, started = self._pending, time.perf_counter()
+        if pending is None:
+            return None
+        with self._faults_named(pending):
+            if self._queue is not None:
+                self._queue.maybe_finalize_async_calls(blocking=True)
+            pending.checksums.join()
+        self._publish()
+        pending.times.blocked += time.perf_counter() - started
+        return pending.final
+
+    def close(self) -> None:
+        """:meth:`finish`, then stop the asynchronous writer."""
+        try:
+            self.finish()
+        finally:
+            if self._queue is not None:
+                self._queue.close(abort=True)  # nothing is left to finalize
+
+    @contextlib.contextmanager
+    def _faults_named(self, pending: _Pending):
+        """A full disk is named and the partial checkpoint removed; a failed save is no longer in flight."""
+        try:
+            with write_faults_named(pending.final, pending.tmp):
+                yield
+        except BaseException:
+            self._pending = None
+            raise
+
+    def _written(self, pending: _Pending, run_config_yaml: str) -> None:
+        """Every rank's files are written (Megatron calls this on every rank): start the checksums."""
         _barrier()
         if _rank() == 0:
-            (tmp / "config.yaml").write_text(run_config_yaml)
-        record_checksums(tmp)
-    if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        with atomic_file(run.latest_file) as latest:
-            latest.write_text(str(step))
-        evict_old_checkpoints(run, keep_last, save_every)
-    _barrier()
-    return final
+            (pending.tmp / "config.yaml").write_text(run_config_yaml)
+        pending.times.written = time.perf_counter() - pending.started
+        names = broadcast_from_first(_files(pending.tmp) if _rank() == 0 else None)
+        pending.checksums = _Checksums(pending.tmp, names[_rank()::_world()])
+        pending.checksums.start()
+
+    def _publish(self) -> None:
+        pending, self._pending = self._pending, None
+        with self._faults_named(pending):
+            pending.checksums.join()
+            failed = gather_from_all(None if pending.checksums.error is None else repr(pending.checksums.error))
+            if any(failed):
+                raise CheckpointError(f"cannot checksum {pending.tmp}: {next(f for f in failed if f)}")
+            every = gather_from_all(pending.checksums.sums)
+            if _rank() == 0:
+                sums = {name: value for part in every for name, value in part.items()}
+                with atomic_file(pending.tmp / CHECKSUMS) as staging:
+                    staging.write_text(json.dumps(dict(sorted(sums.items())), indent=1))
+                shutil.rmtree(pending.final, ignore_errors=True)
+                os.replace(pending.tmp, pending.final)
+                with atomic_file(self.run.latest_file) as latest:
+                    latest.write_text(str(pending.step))
+                evict_old_checkpoints(self.run, self.keep_last, self.save_every)
+            _barrier()
+        pending.times.published = time.perf_counter() - pending.started
+
+
+def _all_ranks(flag: bool) -> bool:
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)], device=_reduction_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def _reduction_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def evict_old_checkpoints(run: RunDir, keep_last: int, save_every: int = 0) -> list[Path]:
@@ -145,114 +318,21 @@ def evict_old_checkpoints(run: RunDir, keep_last: int, save_every: int = 0) -> l
     return removed
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _files(ckpt_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS)
 
 
 def record_checksums(ckpt_dir: str | os.PathLike) -> None:
-    """Write ``CHECKSUMS``: the size and CRC-32 of every file of a just-written checkpoint.
+    """Write ``CHECKSUMS`` for a checkpoint written outside :class:`CheckpointSaver` (``import-hf``'s weights).
 
-    Collective, after every rank has written its files: each rank reads its share of the files (a
-    multi-GB checkpoint is read once, in parallel), rank 0 writes the manifest.
-    """
+    Collective: each rank reads its share of the files, rank 0 writes the manifest."""
     ckpt_dir = Path(ckpt_dir)
-    names = _files(ckpt_dir) if _rank() == 0 else None
-    names = _broadcast(names)
-    mine = {name: [(ckpt_dir / name).stat().st_size, _crc32(ckpt_dir / name)] for name in names[_rank()::_world()]}
-    every = _gather(mine)
+    names = broadcast_from_first(_files(ckpt_dir) if _rank() == 0 else None)
+    every = gather_from_all(file_checksums(ckpt_dir, names[_rank()::_world()]))
     if _rank() == 0:
         sums = {name: value for part in every for name, value in part.items()}
-        (ckpt_dir / CHECKSUMS).write_text(json.dumps(dict(sorted(sums.items())), indent=1))
-
-
-def _broadcast(value):
-    box = [value]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(value) -> list:
-    if not dist.is_initialized():
-        return [value]
-    every = [None] * _world()
-    dist.all_gather_object(every, value)
-    return every
-
-
-def _damaged_files(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str, str]:
-    """{file: what is wrong with it} for those of ``names`` that do not match the manifest."""
-    problems = {}
-    for name in names:
-        path = ckpt_dir / name
-        size, crc = sums[name]
-        if not path.is_file():
-            problems[name] = f"{path} is missing"
-        elif path.stat().st_size != size:
-            problems[name] = f"{path} has {path.stat().st_size} bytes, {CHECKSUMS} recorded {size}"
-        elif _crc32(path) != crc:
-            problems[name] = f"{path} is corrupt: its CRC-32 differs from the one {CHECKSUMS} recorded at save"
-    return problems
-
-
-def verify_files(ckpt_dir: str | os.PathLike) -> None:
-    """CheckpointError naming the first missing, unreadable, truncated or corrupt file of a checkpoint.
-
-    Collective. With a ``CHECKSUMS`` manifest (every checkpoint this trainer saves) each file's size
-    and CRC-32 are compared, the ranks sharing the reading. Without one (a weights-only checkpoint)
-    only metadata is read: ``metadata.json``, the common state (``common.pt`` up to megatron-core
-    0.18, inside the torch_dist files from 0.19 on) and the tensor index, whose entries say
-    how many bytes of which file each tensor occupies.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    problem = sums = None  # rank 0 reads them; every rank gets them
-    if _rank() == 0:
-        try:
-            sums = json.loads((ckpt_dir / CHECKSUMS).read_text()) if (ckpt_dir / CHECKSUMS).is_file() else None
-            if sums is None:
-                _verify_against_index(ckpt_dir)
-        except CheckpointError as err:
-            problem, sums = str(err), None
-        except (OSError, ValueError) as err:
-            problem, sums = f"{ckpt_dir / CHECKSUMS} is unreadable ({err})", None
-    problem, sums = _broadcast((problem, sums))
-    if sums is not None:
-        names = sorted(sums)
-        found = {name: why for part in _gather(_damaged_files(ckpt_dir, sums, names[_rank()::_world()]))
-                 for name, why in part.items()}
-        problem = found[min(found)] if found else None
-    if problem:
-        raise CheckpointError(problem)
-
-
-def _verify_against_index(ckpt_dir: Path) -> None:
-    for name in ("metadata.json", ".metadata"):
-        if not (ckpt_dir / name).is_file():
-            raise CheckpointError(f"{ckpt_dir / name} is missing")
-    try:
-        with open(ckpt_dir / ".metadata", "rb") as handle:
-            index = pickle.load(handle)
-        dist_checkpointing.load_common_state_dict(str(ckpt_dir))
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"{ckpt_dir}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from None
-    needed: dict[str, int] = {}
-    for info in index.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        path = ckpt_dir / name
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing")
-        if path.stat().st_size < size:
-            raise CheckpointError(f"{path} is truncated: {path.stat().st_size} bytes, the checkpoint index "
-                                  f"needs {size}")
+        with atomic_file(ckpt_dir / CHECKSUMS) as staging:
+            staging.write_text(json.dumps(dict(sorted(sums.items())), indent=1))
 
 
 def has_training_state(ckpt_dir: str | os.PathLike) -> bool:
@@ -261,21 +341,32 @@ def has_training_state(ckpt_dir: str | os.PathLike) -> bool:
     return "train" in common
 
 
-def pick_resumable(run: RunDir, report) -> Path | None:
-    """The newest complete checkpoint with training state whose files are intact, or None.
+def pick_resumable(run: RunDir, report: Callable[[str], None] = say_once) -> Path | None:
+    """The newest intact checkpoint of ``run`` with training state; None when it has none (a fresh run) or the
+    newest intact one holds weights only (``import-hf`` output: started from, not resumed).
 
-    A damaged checkpoint is reported (``report(message)``, naming the bad file) and the next older
-    one tried. Collective: rank 0 lists the checkpoints, the ranks share verifying them, every rank
-    gets the same answer. Weights-only checkpoints are not resumable.
+    A damaged checkpoint is reported (``report(message)``, naming the bad file) and the next older one
+    tried (:func:`verified_checkpoint`'s verification). Collective.
+
+    Raises:
+        CheckpointError: the run has checkpoints and none is intact; nothing has been changed.
     """
-    for candidate in reversed(_broadcast(run.list_checkpoints() if _rank() == 0 else None)):
-        try:
-            verify_files(candidate)
-        except CheckpointError as err:
-            report(f"warning: cannot resume from {candidate.name}: {err}; trying the previous checkpoint")
-            continue
-        return candidate if _broadcast(has_training_state(candidate) if _rank() == 0 else None) else None
-    return None
+    candidates = broadcast_from_first(run.list_checkpoints() if _rank() == 0 else None)
+    if not candidates:
+        return None
+    found, damaged = (None, []) if verifying() else (candidates[-1], [])
+    for candidate in reversed(candidates) if found is None else ():
+        found, problems = newest_intact([candidate], report)
+        if found is not None:
+            break
+        damaged += problems
+        report(f"warning: cannot resume from {candidate.name}: {problems[0]}; trying the previous checkpoint")
+    if found is None:
+        raise CheckpointError(
+            f"cannot resume {run.root}: none of its checkpoints is intact ({'; '.join(damaged)}); nothing was changed. "
+            f"Restore a checkpoint from a copy, train into a new output_dir, or resume unverified with "
+            f"checkpoint.verify=false")
+    return found if broadcast_from_first(has_training_state(found) if _rank() == 0 else None) else None
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, engine) -> dict:

@@ -66,6 +66,12 @@ class CheckpointConfig:
     # keys a resume may change on purpose (nemo_anchor.training.resume.ALLOWABLE), e.g. [optim.lr]; other
     # changes to the run are refused. CLI: nemo-anchor train --allow-change optim.lr,trainer.global_batch_size
     allow_change: List[str] = field(default_factory=list)
+    # verify every checkpoint read (resume, model.init_from_hf) against its checksums.json first; false reads
+    # a damaged checkpoint without a word
+    verify: bool = True
+    # Megatron's asynchronous save (the loop continues while the shards are written); unset: on where CUDA is
+    # seen, the synchronous save elsewhere (Megatron's async writer synchronizes the CUDA device)
+    async_save: Optional[bool] = None
 
 
 @dataclass

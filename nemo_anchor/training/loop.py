@@ -26,6 +26,7 @@ from nemo_anchor.model.vocab import padded_vocab_size
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, checkpoint_step, read_run_config
+from nemo_anchor import checksums
 from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training import memory, preemption, resume, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
@@ -74,7 +75,8 @@ class Trainer:
         self.data_fingerprint = resume.dataset_fingerprint(config.data.path)
         self._claim = self._claim_output_dir()
         try:
-            self._start()
+            with checksums.verification(config.checkpoint.verify):  # the resumed checkpoint, model.init_from_hf's
+                self._start()
         except BaseException:
             self._release(failed=True)
             raise
@@ -100,6 +102,8 @@ class Trainer:
             self.step = int(state["step"])
             self.resumed_from = resume_from
         self.config_yaml = to_yaml(self.config)
+        self.saver = ckpt.CheckpointSaver(self.run, config.checkpoint.keep_last, config.checkpoint.save_every,
+                                          asynchronous=self._async_save())
         self._prepare_output_dir()
         if self.ctx.device.type == "cuda":
             self._warn_if_over_gpu_memory()
@@ -119,6 +123,15 @@ class Trainer:
         if kind is not None and kind != "import-hf":  # import-hf writes a run directory to train in
             raise OutputError(f"output_dir {self.run.root} holds the output of `nemo-anchor {kind}`, not a training "
                               f"run: choose another output_dir")
+
+    def _async_save(self) -> bool:
+        """checkpoint.async_save, decided from the devices this process sees when unset."""
+        wanted = self.config.checkpoint.async_save
+        available = ckpt.async_save_available(self.ctx.device)
+        if wanted and not available:
+            raise ValueError("checkpoint.async_save=true needs CUDA (Megatron's asynchronous writer synchronizes "
+                             "the device): leave it unset, or set it false")
+        return available if wanted is None else wanted
 
     def _claim_output_dir(self) -> RunClaim | None:
         """Rank 0 takes the output_dir's lock; every rank learns whether it got it."""
@@ -288,11 +301,12 @@ class Trainer:
         return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
     def save(self) -> Path:
+        """Start saving this step's checkpoint (:class:`~nemo_anchor.training.checkpoint.CheckpointSaver`); returns
+        the directory it is published as, which ``self.saver.finish()`` waits for."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_fingerprint}
         # signals deferred: the writer processes Megatron starts and keeps must survive a group SIGTERM
         with parameters_gathered(self.engine), preemption.signals_deferred():
-            return ckpt.save_checkpoint(self.run, self.step, self.engine, state, self.config_yaml,
-                                        self.config.checkpoint.keep_last, self.config.checkpoint.save_every)
+            return self.saver.save(self.step, self.engine, state, self.config_yaml)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:
@@ -301,6 +315,7 @@ class Trainer:
         released at the end."""
         try:
             summary = self._fit()
+            self.saver.close()
         except BaseException:
             self._release(failed=True)
             raise
@@ -321,6 +336,7 @@ class Trainer:
             while self.step < t.max_steps:
                 step_start = time.perf_counter()
                 last = self.train_step()
+                self.saver.poll()  # a checkpoint written and checksummed meanwhile is published
                 elapsed = time.perf_counter() - step_start
                 flops = last.pop("flops")
                 first_step = tokens_seen == 0
@@ -342,11 +358,13 @@ class Trainer:
                     saved = self.save()
                 if stop_now:
                     stopped = True
+                    self.saver.finish()
                     logger.write(f"stop requested ({stop.signal_name or 'by another rank'}): saved {saved} at step "
                                  f"{self.step}; run the same command again to resume")
                     break
         if not stopped and (saved is None or checkpoint_step(saved) != self.step):
             saved = self.save()
+        self.saver.finish()  # the last checkpoint is published before the run reports it
         valid_loss = None if stopped else self.evaluate()
         if valid_loss is not None:
             logger.log_eval(self.step, {"valid_loss": valid_loss})

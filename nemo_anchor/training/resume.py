@@ -34,6 +34,7 @@ FREE = frozenset({
     "trainer.eval_batches", "trainer.num_threads", "trainer.progress_bar", "trainer.peak_tflops",
     "trainer.preempt_exit_code",
     "checkpoint.save_every", "checkpoint.keep_last", "checkpoint.resume", "checkpoint.allow_change",
+    "checkpoint.verify", "checkpoint.async_save",
     "data.valid_path", "model.recompute", "model.recompute_num_layers", "model.context_parallel_size",
     "model.cp_comm_type", "model.attention_backend",
     # checkpoints are in model space (nemo_anchor.training.optimizer_state): any layout resumes them
@@ -83,13 +84,13 @@ def compare(checkpoint: Path, saved: dict, new: dict, allow: list[str], saved_da
     """
     old, now = flatten(saved), flatten(new)
     changed = {key: (old.get(key), now.get(key)) for key in old.keys() | now.keys() if old.get(key) != now.get(key)}
-    if saved_data is not None:  # the data compared by content: moved is the same, another of its size is not
-        changed.pop(DATA_KEY, None)
-        if saved_data != new_data:
-            changed[DATA_KEY] = (old.get(DATA_KEY), now.get(DATA_KEY))
+    # the data compared by content: moved is the same (the new path is reported), another of its size is not
+    moved = saved_data is not None and saved_data == new_data
+    if saved_data is not None and saved_data != new_data:
+        changed[DATA_KEY] = (old.get(DATA_KEY), now.get(DATA_KEY))
     changed = {key: changed[key] for key in sorted(changed, key=_order)}
     for key, (before, after) in changed.items():
-        if key in FREE or (key in ALLOWABLE and key in allow):
+        if key in FREE or (key in ALLOWABLE and key in allow) or (key == DATA_KEY and moved):
             continue
         if key == DATA_KEY:
             fingerprints = "" if saved_data is None else f"; fingerprint {saved_data[:12]} -> {new_data[:12]}"
@@ -116,8 +117,12 @@ def _order(key: str) -> tuple[int, str]:
 
 
 def dataset_fingerprint(path: str | Path) -> str:
-    """SHA-256 of what identifies a packed dataset: its metadata, statistics and segment index, and the
-    first and last windows of its tokens (cheap for any size; two packings of other text differ)."""
+    """SHA-256 of what identifies a packed dataset: its metadata, statistics and segment index. The metadata
+    ``pack`` writes holds the XXH3-128 digest of every file of the split, computed from every byte as it was
+    written, so two packings differing anywhere differ here; for a dataset packed before those were recorded,
+    the first and last windows of its tokens stand in."""
+    import json
+
     from nemo_anchor.data.layout import METADATA_FILE, SEGMENT_STARTS_FILE, STATS_FILE, TOKENS_FILE
 
     root = Path(path)
@@ -126,6 +131,8 @@ def dataset_fingerprint(path: str | Path) -> str:
         file = root / name
         digest.update(name.encode())
         digest.update(file.read_bytes() if file.is_file() else b"-")
+    if "checksums" in json.loads((root / METADATA_FILE).read_text()):
+        return digest.hexdigest()
     tokens = root / TOKENS_FILE
     size = tokens.stat().st_size
     with open(tokens, "rb") as handle:

@@ -1,0 +1,237 @@
+"""Checksums of written files, one owner for both kinds:
+
+- a checkpoint's ``checksums.json``: ``{file: [bytes, CRC-32]}`` (zlib; computed on a thread after the write,
+  see :class:`nemo_anchor.training.checkpoint.CheckpointSaver`);
+- a packed dataset's ``metadata.json`` ``checksums``: ``{file: [bytes, "xxh3-128:HEX"]}``, the tokens hashed
+  from the buffers as ``pack`` writes them. XXH3 is used there because it costs pack nothing measurable:
+  on this project's CPU it hashed 22-28 GB/s against 1-3.8 GB/s for zlib's CRC-32 (0.2-0.5 GB/s for
+  SHA-256 and BLAKE2b), while a pack writes 0.5-0.7 GB/s of tokens (scripts/bench_data.py, table 4).
+Both catch any change that was not made on purpose to collide: damaged files, data that is not what a run
+trained on.
+
+Every reader of a checkpoint verifies it here first (:func:`verified_checkpoint`), the ranks sharing one read.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import pickle
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+import xxhash
+
+from nemo_anchor.run_dir import checkpoints_of, is_checkpoint_dir
+
+CHUNK = 16 << 20
+CHECKSUMS = "checksums.json"  # {file: [bytes, CRC-32]} of every other file of the checkpoint, written at save
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file or key."""
+
+
+def crc32_file(path: str | os.PathLike) -> int:
+    """CRC-32 of a file's bytes, read in 16 MiB chunks (zlib releases the GIL: a thread can do this)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_checksums(root: Path, names: list[str]) -> dict[str, list[int]]:
+    """``{name: [bytes, CRC-32]}`` of the files ``root/name`` (a checkpoint's ``checksums.json``)."""
+    return {name: [(root / name).stat().st_size, crc32_file(root / name)] for name in names}
+
+
+class ContentDigest:
+    """``[bytes, "xxh3-128:HEX"]`` of a file computed from the buffers as they are written, never read back."""
+
+    def __init__(self):
+        self.size, self._hash = 0, xxhash.xxh3_128()
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self.size += len(view)
+
+    def value(self) -> list:
+        return [self.size, f"xxh3-128:{self._hash.hexdigest()}"]
+
+
+def file_digests(root: Path, names: list[str]) -> dict[str, list]:
+    """``{name: [bytes, "xxh3-128:HEX"]}`` of the files ``root/name`` (small files a pack has just written)."""
+    digests = {}
+    for name in names:
+        digest = ContentDigest()
+        with open(root / name, "rb") as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+        digests[name] = digest.value()
+    return digests
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def broadcast_from_first(value):
+    """Rank 0's ``value`` on every rank (itself without a process group)."""
+    box = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_from_all(value) -> list:
+    """Every rank's ``value``, in rank order."""
+    if not dist.is_initialized():
+        return [value]
+    every = [None] * _world()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def _damaged_files(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str, str]:
+    """{file: what is wrong with it} for those of ``names`` that do not match the manifest."""
+    problems = {}
+    for name in names:
+        path = ckpt_dir / name
+        size, crc = sums[name]
+        if not path.is_file():
+            problems[name] = f"{path} is missing"
+        elif path.stat().st_size != size:
+            problems[name] = f"{path} has {path.stat().st_size} bytes, {CHECKSUMS} recorded {size}"
+        elif crc32_file(path) != crc:
+            problems[name] = f"{path} is corrupt: its CRC-32 differs from the one {CHECKSUMS} recorded at save"
+    return problems
+
+
+_VERIFY = contextvars.ContextVar("nemo_anchor_verify_checkpoints", default=True)
+NOT_VERIFIED = "not verified"
+
+
+@contextlib.contextmanager
+def verification(enabled: bool):
+    """Within the block, checkpoints are read with (default) or without verifying their files first; only an
+    explicit ``--no-verify`` / ``checkpoint.verify=false`` turns it off."""
+    token = _VERIFY.set(enabled)
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def say_once(message: str) -> None:
+    """Print ``message`` on rank 0 only."""
+    if _rank() == 0:
+        print(message, flush=True)
+
+
+def verifying() -> bool:
+    """Whether checkpoints are verified before they are read here (:func:`verification`)."""
+    return _VERIFY.get()
+
+
+def verify_files(ckpt_dir: str | os.PathLike, report: Callable[[str], None] = say_once) -> None:
+    """CheckpointError naming the first missing, unreadable, truncated or corrupt file of a checkpoint.
+
+    Collective. With a ``CHECKSUMS`` manifest (every checkpoint nemo-anchor writes) each file's size
+    and CRC-32 are compared, the ranks sharing the reading: the checkpoint is read once. Without one
+    only metadata is read (``metadata.json``, the common state, and the tensor index, whose entries say
+    how many bytes of which file each tensor occupies), and ``report`` says it is not verified.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    problem = sums = None  # rank 0 reads them; every rank gets them
+    if _rank() == 0:
+        try:
+            sums = json.loads((ckpt_dir / CHECKSUMS).read_text()) if (ckpt_dir / CHECKSUMS).is_file() else None
+            if sums is None:
+                _verify_against_index(ckpt_dir)
+        except CheckpointError as err:
+            problem, sums = str(err), None
+        except (OSError, ValueError) as err:
+            problem, sums = f"{ckpt_dir / CHECKSUMS} is unreadable ({err})", None
+        else:
+            if sums is None:
+                report(f"warning: {ckpt_dir} has no {CHECKSUMS}: {NOT_VERIFIED} (only its files' sizes were "
+                       f"checked against its index)")
+    problem, sums = broadcast_from_first((problem, sums))
+    if sums is not None:
+        names = sorted(sums)
+        found = {name: why for part in gather_from_all(_damaged_files(ckpt_dir, sums, names[_rank()::_world()]))
+                 for name, why in part.items()}
+        problem = found[min(found)] if found else None
+    if problem:
+        raise CheckpointError(problem)
+
+
+def newest_intact(candidates: list[Path], report: Callable[[str], None]) -> tuple[Path | None, list[str]]:
+    """The newest of ``candidates`` (oldest first) whose files verify, and what is wrong with each newer one."""
+    damaged = []
+    for candidate in reversed(candidates):
+        try:
+            verify_files(candidate, report)
+        except CheckpointError as err:
+            damaged.append(str(err))
+            continue
+        return candidate, damaged
+    return None, damaged
+
+
+def verified_checkpoint(path: str | os.PathLike, report: Callable[[str], None] = say_once) -> Path:
+    """The checkpoint directory to read for ``path``, its files verified; every reader of a checkpoint calls this.
+
+    ``path`` is a checkpoint directory (``iter_NNNNNNN``), which must be intact, or a run folder, whose
+    newest intact checkpoint is used, each newer damaged one named in a warning. Collective: the ranks
+    share one read of the checkpoint. Inside ``verification(False)`` the files are not read.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or holds no checkpoint.
+        CheckpointError: the checkpoint, or every checkpoint of the run, is damaged (naming the files).
+    """
+    path = Path(path)
+    candidates = checkpoints_of(path)
+    if not _VERIFY.get():
+        return candidates[-1]
+    found, damaged = newest_intact(candidates, report)
+    if found is None:
+        what = f"{candidates[0]} is damaged" if is_checkpoint_dir(path) else f"no intact checkpoint under {path}"
+        raise CheckpointError(f"{what}: {'; '.join(damaged)} (pass --no-verify, or checkpoint.verify=false, to "
+                              f"read it unverified)")
+    if damaged:
+        report(f"warning: {damaged[0]}; reading {found}, the newest intact checkpoint of {path}, instead")
+    return found
+
+
+def _verify_against_index(ckpt_dir: Path) -> None:
+    for name in ("metadata.json", ".metadata"):
+        if not (ckpt_dir / name).is_file():
+            raise CheckpointError(f"{ckpt_dir / name} is missing")
+    try:
+        with open(ckpt_dir / ".metadata", "rb") as handle:
+            index = pickle.load(handle)
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"{ckpt_dir}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from None
+    needed: dict[str, int] = {}
+    for info in index.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        if path.stat().st_size < size:
+            raise CheckpointError(f"{path} is truncated: {path.stat().st_size} bytes, the checkpoint index "
+                                  f"needs {size}")
