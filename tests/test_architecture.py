@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nemo_anchor"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 # Top-level modules (nemo_anchor/atomic.py ...) are named by their file; subpackages by their folder.
 LAYERS = (
-    ("atomic", "cache", "command", "compat", "cpu_bf16", "gpu", "hf_dir", "run_dir"),  # shared utilities
+    ("atomic", "cache", "checksums", "command", "compat", "cpu_bf16", "gpu", "hf_dir", "run_dir"),  # shared utilities
     ("attention", "data"),  # the functional attention API; files -> packed windows (no Megatron)
     ("parallel",),  # process groups, context parallelism, Megatron-Core's CPU shims
     ("model",),  # AnchorCoreAttention, layer specs, the GPT builder
