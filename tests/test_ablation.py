@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import signal
 from collections import Counter
 from pathlib import Path
@@ -13,6 +14,7 @@ import yaml
 
 from nemo_anchor.ablation import measure as measure_module
 from nemo_anchor.cli import main as cli
+from nemo_anchor.command import EXIT_USER_ERROR
 from nemo_anchor.data import PackedDataset
 from nemo_anchor.data.layout import DOCUMENT_SOURCES_FILE
 from nemo_anchor.run_dir import RunDir, checkpoint_step
@@ -214,14 +216,16 @@ def test_print_launches_prepares_configs_and_trains_nothing(tmp_path, corpus, ca
     (["full"], ["pack.inputs=[missing.jsonl]"], r"pack.inputs='missing.jsonl': does not exist"),
     (["full"], ["model.init_from_hf=missing"], r"model.init_from_hf='missing': does not exist"),
 ])
-def test_bad_variant_or_config_is_a_clear_error_before_training(tmp_path, corpus, monkeypatch, variants, extra,
-                                                                 message):
+def test_bad_variant_or_config_is_a_clear_error_before_training(tmp_path, corpus, monkeypatch, capsys, variants,
+                                                                 extra, message):
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
 
     monkeypatch.setattr(loop.Trainer, "__init__", no_training)
-    with pytest.raises(ValueError, match=message):
-        ablate(tmp_path / "out", corpus, variants, *extra)
+    capsys.readouterr()
+    assert ablate(tmp_path / "out", corpus, variants, *extra) == EXIT_USER_ERROR
+    error = capsys.readouterr().err
+    assert error.startswith("nemo-anchor ablate: error: ") and re.search(message, error), error
     assert not list(tmp_path.glob("out/variants/*/train"))
 
 

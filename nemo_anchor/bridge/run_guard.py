@@ -40,10 +40,10 @@ def run_config(config) -> dict[str, Any]:
     """What defines a Bridge run, under the keys of ``nemo-anchor train``'s config (nested, as its config.yaml)."""
     import dataclasses
 
-    from nemo_anchor.bridge.training import flops_model_config
+    from nemo_anchor.convert.megatron_config import model_config_from_megatron
 
     model, optim, train = config.model, config.optimizer, config.train
-    shape = dataclasses.asdict(flops_model_config(model))
+    shape = dataclasses.asdict(model_config_from_megatron(model, default_architecture="llama"))
     shape.update(vocab_size=model.vocab_size, rotary_base=str(float(model.rotary_base)),
                  tie_embeddings=model.share_embeddings_and_output_weights,
                  tensor_model_parallel_size=model.tensor_model_parallel_size,

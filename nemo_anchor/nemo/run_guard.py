@@ -44,14 +44,14 @@ def run_config(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, 
     """What defines a NeMo run, under the keys of ``nemo-anchor train``'s config (nested, as its config.yaml)."""
     import dataclasses
 
-    from nemo_anchor.nemo.hf_io import model_config_from_anchor
+    from nemo_anchor.convert.megatron_config import model_config_from_megatron
 
     data = trainer.datamodule
     config = pl_module.config
     optim = getattr(pl_module, "optim", None)
     optim_config = getattr(optim, "config", None)
     scheduler = getattr(optim, "lr_scheduler", None)
-    model = dataclasses.asdict(model_config_from_anchor(config))
+    model = dataclasses.asdict(model_config_from_megatron(config))
     optim_keys = {"lr": "lr", "min_lr": "min_lr", "weight_decay": "weight_decay", "clip_grad": "clip_grad",
                   "beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_eps"}
     return {
@@ -104,7 +104,7 @@ class AnchorRunGuard(pl.Callback):
     def _check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data) -> None:
         """The data's tokenizer (pack's ``tokenizer/``) is the one the starting weights were trained with, and
         weights restored into the model (``resume.restore_config``) are the tensors its config describes."""
-        from nemo_anchor.nemo.hf_io import model_config_from_anchor
+        from nemo_anchor.convert.megatron_config import model_config_from_megatron
 
         dataset = data.train_dataset
         restore = getattr(trainer.strategy, "restore_config", None)
@@ -113,7 +113,7 @@ class AnchorRunGuard(pl.Callback):
         elif restore is not None:
             start, name = Path(restore.path), f"resume.restore_config.path={restore.path}"
             if restore.load_model_state:
-                check_nemo2_weights(start, model_config_from_anchor(pl_module.config))
+                check_nemo2_weights(start, model_config_from_megatron(pl_module.config))
         else:
             return
         found = nemo2_tokenizer_dir(start)
