@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from nemo_anchor.attention.layout import QueryBlock, per_query
 
 TILE = 128
+_MIN_CUDA_HEAD_DIM = 16
 
 
 def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
@@ -30,6 +31,10 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
             "torch has no FlexAttention backward on the CPU; call it under torch.no_grad() or "
             "use backend='cpu' for training"
         )
+    if q.is_cuda and q.shape[-1] < _MIN_CUDA_HEAD_DIM:
+        # torch's Triton template refuses it at compile time ("embedding dimension ... must be at least 16"),
+        # seen on an H200 with torch 2.11 for a head dim of 8
+        return f"FlexAttention on CUDA needs head_dim >= {_MIN_CUDA_HEAD_DIM}, got {q.shape[-1]}"
     return None
 
 
