@@ -145,7 +145,7 @@ def test_heldout_perplexity_matches_a_float64_recomputation(ablation):
     assert variant["metrics"]["heldout_ppl"]["values"][-1] == pytest.approx(math.exp(nll.item()), rel=1e-4)
 
 
-def test_rerun_skips_finished_variants_and_resumes_the_interrupted_one(tmp_path, corpus, monkeypatch):
+def test_rerun_skips_finished_variants_and_resumes_the_interrupted_one(tmp_path, corpus, monkeypatch, capsys):
     output = tmp_path / "out"
     extra = ["eval.tasks=[]", "eval.probe_sequences=0"]
     started, measured = [], []
@@ -186,8 +186,10 @@ def test_rerun_skips_finished_variants_and_resumes_the_interrupted_one(tmp_path,
     assert started == [] and measured == []  # nothing trained or measured again
     assert _report(output)["variants"] == report["variants"]
 
-    with pytest.raises(ValueError, match=r"trainer.max_steps: 4 -> 6"):
-        ablate(output, corpus, ["full", "anchor"], *extra, "trainer.max_steps=6")
+    capsys.readouterr()
+    assert ablate(output, corpus, ["full", "anchor"], *extra, "trainer.max_steps=6") == EXIT_USER_ERROR
+    error = capsys.readouterr().err
+    assert "nemo-anchor ablate: error: " in error and "trainer.max_steps: 4 -> 6" in error
 
 
 def test_print_launches_prepares_configs_and_trains_nothing(tmp_path, corpus, capsys):

@@ -97,7 +97,7 @@ class AnchorRunGuard(pl.Callback):
         data = trainer.datamodule
         self._check_start(trainer, pl_module, data)
         if pl_module.config.vocab_size:
-            data.train_dataset.check_token_ids(pl_module.config.vocab_size)
+            data.train_dataset.dataset.check_token_ids(pl_module.config.vocab_size)
         self._record = {"config": run_config(trainer, pl_module), "data": resume.dataset_fingerprint(data.path)}
         self._checkpoint = trainer.ckpt_path
 
@@ -106,7 +106,7 @@ class AnchorRunGuard(pl.Callback):
         weights restored into the model (``resume.restore_config``) are the tensors its config describes."""
         from nemo_anchor.convert.megatron_config import model_config_from_megatron
 
-        dataset = data.train_dataset
+        dataset = data.train_dataset.dataset  # the packed windows behind the stream
         restore = getattr(trainer.strategy, "restore_config", None)
         if trainer.ckpt_path:
             start, name = _checkpoint_dir(trainer.ckpt_path), f"the checkpoint {_checkpoint_dir(trainer.ckpt_path)}"
