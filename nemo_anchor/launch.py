@@ -89,6 +89,13 @@ def resolve_bridge_config(config) -> None:
         config.mixed_precision = "bf16_mixed" if cuda() else None
     if config.dist.distributed_backend == AUTO:
         config.dist.distributed_backend = backend()
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        # megatron-core 0.19's distributed optimizer over torch's Adam (no Apex or TE Adam, as on the CPU) does not
+        # reload its state exactly (its sharded_state_dict(is_loading=True), distrib_optimizer.py:1532, needs the
+        # state to exist first; allocated at step 0 a 3-step run resumed to 6 left step 5 off): the plain optimizer
+        config.optimizer.use_distributed_optimizer = config.ddp.use_distributed_optimizer = False
     resolve_ddp_config(config.ddp)
     if config.checkpoint.async_save is None:
         config.checkpoint.async_save = async_save() and config.checkpoint.save is not None

@@ -27,15 +27,6 @@ Running (:func:`install_runtime_shims`, once ``megatron.bridge`` imports):
   flag and norm tensors there), ``data/loaders.py:406``, ``checkpointing.py:491`` (CUDA RNG
   state) and megatron-core's ``training/models/dist_utils.py:303`` allocate on, stream on or read
   the RNG of CUDA: they see the CPU as their CUDA device (``cpu_shims``).
-- megatron-core's distributed optimizer over torch's Adam (no Apex or TE Adam, as on the CPU)
-  cannot load a checkpoint: ``DistributedOptimizer.sharded_state_dict(is_loading=True)``
-  (``distrib_optimizer.py:1532``) first calls ``state_dict()``, which reads the one Adam step
-  common to the state of every parameter (``:838``), and a freshly built optimizer has no state
-  yet (``AssertionError`` on ``len(steps) == 1``). Bridge offers no format around it (its loader
-  takes ``torch_dist`` or ``fsdp_dtensor``, ``checkpointing.py:2943``, and the latter needs
-  Megatron-FSDP, which needs CUDA). Before such a load the state is allocated as
-  ``load_state_dict`` allocates it for a fresh optimizer, at step 0; the checkpoint then overwrites
-  every value, the step included.
 """
 from __future__ import annotations
 
@@ -140,7 +131,6 @@ def install_runtime_shims() -> bool:
     initialize._warmup_jit_function = lambda *args, **kwargs: None
     initialize._set_random_seed = _seeding_the_cpu_tracker(initialize._set_random_seed)
     route_cuda_to_cpu(_CUDA_ASSUMING_MODULES)
-    _allocate_torch_adam_state_before_loading()
     _runtime_shims = True
     return True
 
@@ -166,21 +156,3 @@ def _seeding_the_cpu_tracker(set_random_seed):
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
     return seeded
-
-
-def _allocate_torch_adam_state_before_loading() -> None:
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return
-    optimizer_class = distrib_optimizer.DistributedOptimizer
-    sharded_state_dict = optimizer_class.sharded_state_dict
-
-    @functools.wraps(sharded_state_dict)
-    def allocating_first(self, model_sharded_state_dict={}, is_loading=False, *args, **kwargs):  # noqa: B006
-        if is_loading and not self.ddp_config.use_megatron_fsdp and len(self.optimizer.state) == 0:
-            groups = self.optimizer.state_dict()["param_groups"]
-            self.load_state_dict({"optimizer": {"param_groups": [{**group, "step": 0} for group in groups]}})
-        return sharded_state_dict(self, model_sharded_state_dict, is_loading, *args, **kwargs)
-
-    optimizer_class.sharded_state_dict = allocating_first

@@ -28,6 +28,7 @@ from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
 from nemo_anchor.model.vocab import padded_vocab_size
 from nemo_anchor.parallel.context_parallel import pads_documents
 from nemo_anchor.training.config import load_config
+from nemo_anchor.training.preemption import signals_deferred
 
 
 def apply_overrides(config, overrides: list[str]) -> None:
@@ -103,7 +104,10 @@ def _pretrain(config, callbacks: list) -> None:
         # saves (training/state.py:432); do the same first.
         from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
-        get_write_results_queue(config.checkpoint.async_write_results_mp_mode)
+        # its Manager process is started with the stop signals held back, so a signal to the whole process
+        # group leaves it alive for the exit-signal save (as nemo-anchor train's saves do)
+        with signals_deferred():
+            get_write_results_queue(config.checkpoint.async_write_results_mp_mode)
     pretrain(config, anchor_forward_step, callbacks=callbacks)
 
 

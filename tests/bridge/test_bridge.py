@@ -286,3 +286,34 @@ def test_a_second_run_into_the_same_checkpoint_save_is_refused(start, tmp_path):
         holder.release(failed=False)
     assert status != 0 and f"is in use by another training run (host {os.uname().nodename}, pid {os.getpid()}" in out
     assert sorted(p.name for p in save.iterdir()) == []
+
+
+def test_group_sigterm_after_earlier_saves_saves_the_step_reached_and_exits_75(start, tmp_path):
+    """Bridge's exit signal as Slurm and torchrun deliver it, to the whole process group, after scheduled saves:
+    the run saves the step it reached and exits 75, as nemo-anchor train does."""
+    import signal
+    import time
+
+    root, megatron, config = start
+    save = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen([sys.executable, "-m", "nemo_anchor.bridge.pretrain", "--config", str(config),
+                            f"checkpoint.pretrained_checkpoint={megatron}", f"checkpoint.save={save}",
+                            f"checkpoint.load={save}", "checkpoint.save_interval=2", "train.train_iters=400",
+                            "--peak-tflops", "1"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = save / "metrics.jsonl"
+
+    def steps():
+        rows = metrics.read_text().splitlines() if metrics.is_file() else []
+        return [json.loads(row)["step"] for row in rows if '"loss"' in row]
+
+    deadline = time.monotonic() + 400
+    while len(steps()) < 5 and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert run.poll() is None and len(steps()) >= 5, run.communicate()[0][-3000:] if run.poll() is not None else "slow"
+    os.killpg(run.pid, signal.SIGTERM)
+    out = run.communicate(timeout=300)[0]
+    assert run.returncode == 75, out[-3000:]
+    latest = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert latest == max(steps()) >= 5 and (save / f"iter_{latest:07d}").is_dir(), (latest, steps())
