@@ -103,13 +103,20 @@ def test_what_the_user_sets_wins(gpu_node):
 
 NOTHING_PATCHED = r'''
 import importlib
+import importlib.util
+import pathlib
+import sys
 import torch
-from nemo_anchor.bridge import cpu as bridge_cpu_shims
+import nemo_anchor
 from nemo_anchor.parallel import cpu_shims
 
-# Transformer Engine is what a GPU node has where this machine needs the import stand-ins
-sys_path_finder = bridge_cpu_shims._StandInFinder()
-import sys
+# Transformer Engine is what a GPU node has where this machine needs the import stand-ins: their finder is
+# taken from a separate copy of nemo_anchor/bridge/cpu.py, so that the package (which installs shims where it
+# sees no CUDA) is first imported below, with the CUDA stand-in in place
+spec = importlib.util.spec_from_file_location("stand_in_source", pathlib.Path(nemo_anchor.__file__).parent / "bridge" / "cpu.py")
+stand_in_source = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(stand_in_source)
+sys_path_finder = stand_in_source._StandInFinder()
 sys.meta_path.insert(0, sys_path_finder)
 from megatron.bridge.training import initialize, setup
 sys.meta_path.remove(sys_path_finder)
@@ -118,6 +125,7 @@ torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: 8
 
 import nemo_anchor.bridge  # installs what Bridge needs here
+bridge_cpu_shims = sys.modules["nemo_anchor.bridge.cpu"]
 assert not bridge_cpu_shims.install_runtime_shims() and not cpu_shims._installed
 assert setup.initialize_megatron is original and not bridge_cpu_shims._import_shims
 modules = [importlib.import_module(name) for name in bridge_cpu_shims._CUDA_ASSUMING_MODULES]
