@@ -8,6 +8,7 @@ bf16 mixed precision with CUDA and fp32 without, and Megatron's fully parallel c
 (CUDA only: megatron/core/dist_checkpointing/exchange_utils.py:98-110). A value set in the recipe or
 its YAML is kept.
 """
+import inspect
 from typing import Optional
 
 import torch
@@ -51,3 +52,21 @@ class AnchorMixedPrecision(MegatronMixedPrecision):
         precision = launch.mixed_precision() if precision is None else precision
         dtype = torch.bfloat16 if precision in ("bf16", "bf16-mixed") else torch.float32  # as NeMo's bf16_mixed()
         super().__init__(precision, params_dtype=params_dtype or dtype, pipeline_dtype=pipeline_dtype or dtype, **kwargs)
+
+
+def _signature_of(parent, decided_here: tuple[str, ...]) -> inspect.Signature:
+    """``parent``'s signature with the ``decided_here`` arguments defaulting to None.
+
+    NeMo records how every strategy and plugin was built by binding the arguments to the class's ``__init__``
+    signature (``nemo/lightning/io/mixin.py:580``) and saves that in each checkpoint's context; with a bare
+    ``**kwargs`` it would record a dict holding Megatron's DDP config, which cannot be serialized. So the
+    subclasses present their parent's named arguments."""
+    signature = inspect.signature(parent)
+    return signature.replace(parameters=[p.replace(default=None) if p.name in decided_here else p
+                                         for p in signature.parameters.values()])
+
+
+AnchorMegatronStrategy.__init__.__signature__ = _signature_of(nl.MegatronStrategy.__init__,
+                                                              ("ckpt_async_save", "ckpt_parallel_load"))
+AnchorMixedPrecision.__init__.__signature__ = _signature_of(MegatronMixedPrecision.__init__,
+                                                            ("precision", "params_dtype", "pipeline_dtype"))
