@@ -60,6 +60,24 @@ def torch_flash_attention_ops() -> tuple[tuple[Callable[..., Any], Callable[...,
     return (aten._flash_attention_forward, aten._flash_attention_backward), None
 
 
+def flash_attn_varlen_backward() -> tuple[Callable[..., Any] | None, str | None]:
+    """flash-attn 2's varlen backward that takes the output and log-sum-exp to differentiate, or None and why not.
+
+    ``torch.ops.flash_attn._flash_attn_varlen_backward``, the op ``flash_attn_varlen_func``'s own
+    autograd calls, registered with torch's dispatcher since flash-attn 2.7 (schema: dout, q, k, v,
+    out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+    deterministic, rng_state; it fills dq, dk, dv). The anchor merge hands it the merged
+    log-sum-exp, which the public autograd cannot pass through.
+    """
+    _, reason = flash_attn_varlen_func()
+    if reason is not None:
+        return None, reason
+    if not hasattr(torch.ops.flash_attn, "_flash_attn_varlen_backward"):
+        return None, "this flash-attn (< 2.7) registers no torch.ops.flash_attn._flash_attn_varlen_backward"
+    return torch.ops.flash_attn._flash_attn_varlen_backward, None
+
+
 def flash_attn_3_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
     """FlashAttention-3's ``flash_attn_interface.flash_attn_varlen_func`` (Hopper), or None and why it is unavailable."""
     module, reason = _import("flash_attn_interface")
@@ -76,6 +94,38 @@ def flash_attn_4_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
         return None, reason
     kernel = getattr(module, "flash_attn_varlen_func", None)
     return (kernel, None) if kernel is not None else (None, "flash_attn.cute has no flash_attn_varlen_func")
+
+
+def flash_attn_3_backward() -> tuple[Callable[..., Any] | None, str | None]:
+    """FlashAttention-3's backward that takes the output and log-sum-exp to differentiate, or None and why not.
+
+    ``torch.ops.flash_attn_3._flash_attn_backward``, the op its ``flash_attn_varlen_func``
+    autograd calls, registered with torch's dispatcher since August 2025 (schema: dout, q, k, v,
+    out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+    max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right,
+    softcap, deterministic, sm_margin; it fills dq, dk, dv).
+    """
+    _, reason = flash_attn_3_varlen_func()
+    if reason is not None:
+        return None, reason
+    if not hasattr(torch.ops.flash_attn_3, "_flash_attn_backward"):
+        return None, "this FlashAttention-3 (before August 2025) registers no torch.ops.flash_attn_3._flash_attn_backward"
+    return torch.ops.flash_attn_3._flash_attn_backward, None
+
+
+def flash_attn_4_backward() -> tuple[Callable[..., Any] | None, str | None]:
+    """FlashAttention-4's backward that takes the output and log-sum-exp to differentiate, or None and why not.
+
+    ``flash_attn.cute.interface._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, ...,
+    cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=) -> (dq, dk, dv)``, the function its
+    ``flash_attn_varlen_func`` autograd calls. FlashAttention-4 registers no dispatcher op, and its
+    public ``return_lse`` gradient would need the merged output as a second tensor per layer.
+    """
+    module, reason = _import("flash_attn.cute.interface")
+    if module is None:
+        return None, reason
+    backward = getattr(module, "_flash_attn_bwd", None)
+    return (backward, None) if backward is not None else (None, "flash_attn.cute.interface has no _flash_attn_bwd")
 
 
 def apex_gradient_accumulation() -> tuple[ModuleType | None, str | None]:

@@ -66,7 +66,7 @@ def _run(fn, inputs, grad, dtype):
 
 def conformance(quick: bool, device) -> list[dict]:
     from nemo_anchor.attention import anchor_attention
-    from nemo_anchor.attention.functional import _backend_module
+    from nemo_anchor.attention.functional import unavailable_reason
 
     cases = check.conformance_cases(1024 if quick else 4096, head_shapes=check.HEAD_SHAPES[:1] if quick
                                     else check.HEAD_SHAPES)
@@ -84,7 +84,7 @@ def conformance(quick: bool, device) -> list[dict]:
                             (q, k, v), grad, dtype)
             for backend in BACKENDS:
                 row = {"backend": backend, "dtype": dtype_name, "mode": case.mode, "case": case.name}
-                reason = _backend_module(backend).unavailable_reason(q.to(dtype), True)
+                reason = unavailable_reason(backend, q.to(dtype), True, case.mode)
                 if reason is not None:
                     rows.append({**row, "status": f"skipped: {reason}"})
                     continue
@@ -163,13 +163,11 @@ def speed(quick: bool, device, mean_doc: int, lengths: tuple[int, ...] | None = 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nemo_anchor.attention import anchor_attention
-    from nemo_anchor.attention.functional import _backend_module
+    from nemo_anchor.attention.functional import select_backend, unavailable_reason
 
     heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
     warmup, repeats = (2, 3) if quick else (3, 10)
     rows = []
-    from nemo_anchor.attention.functional import _select_backend
-
     for tokens in lengths or ((8192, 32768) if quick else (8192, 32768, 131072)):
         docs = lognormal_documents(tokens, seed=tokens, mean_tokens=mean_doc)
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -187,11 +185,11 @@ def speed(quick: bool, device, mean_doc: int, lengths: tuple[int, ...] | None = 
 
         methods = {"full-causal SDPA (flash)": ("full", sdpa)}
         for backend in BACKENDS[:-1]:  # the dense reference would need T^2 memory
-            reason = _backend_module(backend).unavailable_reason(q, True)
+            reason = unavailable_reason(backend, q, True, "anchor")
             methods[f"anchor_attention {backend}"] = ("anchor", reason or (
                 lambda b=backend: anchor_attention(q, k, v, mode="anchor", backend=b, **cu)))
-        chosen = _select_backend("auto", q, True).__name__.rsplit(".", 1)[-1]
         for mode in ("intra_doc", "full"):  # the other masks through what auto picks
+            chosen = select_backend("auto", q, True, mode).__name__.rsplit(".", 1)[-1]
             methods[f"{mode} ({chosen}, auto)"] = (mode, lambda m=mode: anchor_attention(q, k, v, mode=m, **cu))
         sdpa_ms = None
         for method, (mode, fn) in methods.items():
@@ -259,7 +257,8 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
     model TFLOP/s, MFU and HFU (nemo_anchor.model.flops, against the GPU's published bf16 peak)."""
     from nemo_anchor.model.flops import train_step_flops
     from nemo_anchor.training import throughput
-    from nemo_anchor.attention.functional import _select_backend
+    from nemo_anchor.attention.functional import select_backend
+    from nemo_anchor.attention.paradigms import get_attention_type
     from nemo_anchor.model.config import ModelConfig
     from nemo_anchor.parallel.context_parallel import batch_for_this_rank
     from nemo_anchor.parallel.distributed import initialize_parallel
@@ -278,7 +277,8 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
     flops = train_step_flops(config.model, vocab, [whole["cu_seqlens"]])
     batch = batch_for_this_rank(whole, attention_type, ctx.device)
     probe = torch.zeros(1, 8, 64, dtype=torch.bfloat16, device=ctx.device)
-    backend = _select_backend(config.model.attention_backend, probe, True).__name__.rsplit(".", 1)[-1]
+    mode = get_attention_type(attention_type).mask
+    backend = select_backend(config.model.attention_backend, probe, True, mode).__name__.rsplit(".", 1)[-1]
     torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
     for _ in range(steps):

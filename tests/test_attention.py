@@ -17,10 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_anchor import gpu
-from nemo_anchor.attention import anchor_attention, fa3, fa4, flash, te
+from nemo_anchor.attention import BackendUnavailableError, anchor_attention, fa3, fa4, flash, te
 from nemo_anchor.attention.layout import layout_blocks, varlen_plan
 from nemo_anchor.attention.reference import dense_mask
 
+import varlen_standins  # tests/varlen_standins.py
 from layout_strategies import packed_layouts  # tests/layout_strategies.py
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -168,35 +169,9 @@ def test_auto_on_the_cpu_trains_through_the_cpu_backend():
 
 # --- flash-attn and Transformer Engine call sites, through stand-ins ------------------------
 
-def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """Bottom-right-causal attention per sequence, GQA heads; checks the documented argument contract."""
-    assert q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.device == cu_k.device == q.device
-    assert q.dim() == k.dim() == 3 and k.shape == v.shape and q.shape[1] % k.shape[1] == 0
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    assert len(cu_q) == len(cu_k) and cu_q[0] == cu_k[0] == 0
-    assert cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
-    len_q, len_k = cu_q.diff().tolist(), cu_k.diff().tolist()
-    assert isinstance(max_q, int) and isinstance(max_k, int) and (max_q, max_k) == (max(len_q), max(len_k))
-    group = q.shape[1] // k.shape[1]
-    outs = []
-    for qs, qn, ks, kn in zip(cu_q.tolist(), len_q, cu_k.tolist(), len_k):
-        qi = q[qs:qs + qn].float()
-        ki, vi = (x[ks:ks + kn].float().repeat_interleave(group, 1) for x in (k, v))
-        allowed = torch.arange(kn)[None] <= torch.arange(qn)[:, None] + (kn - qn)  # bottom-right aligned
-        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vi))
-    return torch.cat(outs).to(q.dtype)
-
-
-def flash_attn_varlen_func_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   dropout_p=0.0, softmax_scale=None, causal=False, **unused):
-    assert dropout_p == 0.0 and causal and not unused
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
-
-
 class DotProductAttentionStandin(torch.nn.Module):
+    """Transformer Engine's ``DotProductAttention`` in THD format with bottom-right causal masks."""
+
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                  qkv_format="sbhd", attn_mask_type="causal", softmax_scale=None):
         super().__init__()
@@ -208,34 +183,49 @@ class DotProductAttentionStandin(torch.nn.Module):
                 cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None):
         assert qkv_format == "thd" and attn_mask_type == "padding_causal_bottom_right" and attention_mask is None
         assert query_layer.shape[1:] == (self.heads, self.head_dim) and key_layer.shape[1] == self.kv_heads
-        out = _varlen_attention(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv,
-                                max_seqlen_q, max_seqlen_kv, self.scale)
+        varlen_standins.check_contract(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv,
+                                       max_seqlen_q, max_seqlen_kv)
+        out = _Differentiable.apply(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv, self.scale)
         return out.reshape(out.shape[0], -1)
 
 
-def fa3_varlen_func_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
-                            seqused_k=None, softmax_scale=None, causal=False, **unused):
-    """FlashAttention-3's ``flash_attn_interface.flash_attn_varlen_func`` (some releases return (out, lse))."""
-    assert causal and seqused_q is None and seqused_k is None and not unused
-    out = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    return out, torch.zeros(q.shape[1], q.shape[0])
+class _Differentiable(torch.autograd.Function):
+    """The fp64 varlen forward with FlashAttention's backward, for stand-ins whose library owns the autograd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, scale):
+        out, lse = varlen_standins.forward(q, k, v, cu_q, cu_k, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        return (*varlen_standins.backward(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale), None, None, None)
 
 
-def fa4_varlen_func_standin(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                            softmax_scale=None, causal=False, **unused):
-    """FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func``: keyword boundaries, returns (out, lse)."""
-    assert causal and not unused
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
-    return out, torch.zeros(q.shape[1], q.shape[0])
+def _with_autograd(kernel, scale_of=lambda args, kwargs: kwargs["softmax_scale"]):
+    """A stand-in varlen function whose output is differentiable, as the library's own autograd makes it."""
+    def call(q, k, v, *args, **kwargs):
+        result = kernel(q, k, v, *args, **kwargs)
+        if not torch.is_grad_enabled():
+            return result
+        cu_q, cu_k = (args[0], args[1]) if args else (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
+        out = _Differentiable.apply(q, k, v, cu_q, cu_k, scale_of(args, kwargs))
+        return (out, *result[1:]) if isinstance(result, tuple) else out
+    return call
 
 
 @pytest.fixture
 def gpu_standins(monkeypatch):
     """The flash, fa3, fa4 and te backends run on CPU tensors with the stand-in kernels."""
-    monkeypatch.setattr(gpu, "flash_attn_varlen_func", lambda: (flash_attn_varlen_func_standin, None))
-    monkeypatch.setattr(gpu, "flash_attn_3_varlen_func", lambda: (fa3_varlen_func_standin, None))
-    monkeypatch.setattr(gpu, "flash_attn_4_varlen_func", lambda: (fa4_varlen_func_standin, None))
+    monkeypatch.setattr(gpu, "flash_attn_varlen_func", lambda: (_with_autograd(varlen_standins.flash_attn_varlen_func), None))
+    monkeypatch.setattr(gpu, "flash_attn_varlen_backward", lambda: (varlen_standins.flash_attn_varlen_backward, None))
+    monkeypatch.setattr(gpu, "flash_attn_3_varlen_func", lambda: (_with_autograd(varlen_standins.fa3_varlen_func), None))
+    monkeypatch.setattr(gpu, "flash_attn_3_backward", lambda: (varlen_standins.fa3_backward, None))
+    monkeypatch.setattr(gpu, "flash_attn_4_varlen_func", lambda: (_with_autograd(varlen_standins.fa4_varlen_func), None))
+    monkeypatch.setattr(gpu, "flash_attn_4_backward", lambda: (varlen_standins.fa4_backward, None))
     fake_te = types.SimpleNamespace(DotProductAttention=DotProductAttentionStandin)
     monkeypatch.setattr(gpu, "transformer_engine_pytorch", lambda: (fake_te, None))
     for module in (flash, fa3, fa4, te):
@@ -248,8 +238,37 @@ def gpu_standins(monkeypatch):
 @given(problem=problems())
 def test_gpu_call_sites_match_reference(gpu_standins, backend, problem):
     dtype = torch.bfloat16
+    if backend == "te" and problem.mode == "anchor":
+        with pytest.raises(BackendUnavailableError, match="copy K and V in every layer"):
+            outputs_and_grads(problem, dtype, backend, softmax_scale=0.3)
+        return
     assert_matches(outputs_and_grads(problem, dtype, backend, softmax_scale=0.3),
                    outputs_and_grads(problem, dtype, "reference", softmax_scale=0.3), dtype)
+
+
+@pytest.mark.parametrize("backend, accessor", [("flash", "flash_attn_varlen_func"), ("fa3", "flash_attn_3_varlen_func"),
+                                              ("fa4", "flash_attn_4_varlen_func")])
+def test_anchor_costs_no_key_value_copy_in_any_flash_attention(gpu_standins, monkeypatch, backend, accessor):
+    """With anchors the kernel reads k and v in place, and autograd keeps q, k, v, the output and the log-sum-exp:
+    no gathered K/V of T + documents rows in any layer."""
+    kernel, _ = getattr(gpu, accessor)()
+    seen = []
+
+    def spying(q, k, v, *args, **kwargs):
+        seen.append((k, v))
+        return kernel(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(gpu, accessor, lambda: (spying, None))
+    q, k, v = (torch.randn(64, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = anchor_attention(q, k, v, torch.tensor([0, 5, 9, 20, 31, 40, 64], dtype=torch.int32), backend=backend,
+                               cu_windows=torch.tensor([0, 31, 64], dtype=torch.int32), mode="anchor")
+    (key, value), = seen
+    assert key.shape == k.shape and key.data_ptr() == k.data_ptr() and value.data_ptr() == v.data_ptr()
+    inputs = {x.data_ptr() for x in (q, k, v, out)}
+    kv_bytes = k.numel() * k.element_size()
+    assert [t for t in saved if t.data_ptr() not in inputs and t.numel() * t.element_size() >= kv_bytes] == []
 
 
 def test_varlen_plan_prefixes_each_later_document_with_its_window_anchor():

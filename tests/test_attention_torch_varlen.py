@@ -22,6 +22,7 @@ from nemo_anchor.attention import BackendUnavailableError, anchor_attention, fun
 from nemo_anchor.attention.layout import layout_blocks, varlen_plan
 from nemo_anchor.attention.reference import dense_mask
 
+import varlen_standins  # tests/varlen_standins.py
 from layout_strategies import packed_layouts  # tests/layout_strategies.py
 
 CPU = torch.device("cpu")
@@ -70,51 +71,21 @@ def varlen_attn_standin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, 
     return torch.cat(outs).to(query.dtype)
 
 
-def _sequence_scores(q, k, cu_q, cu_k, scale):
-    """Per sequence: (q rows, k rows, fp64 scores ``[Hq, qn, kn]`` masked bottom-right causal, GQA group)."""
-    group = q.shape[1] // k.shape[1]
-    for qs, qe, ks, ke in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
-        qn, kn = qe - qs, ke - ks
-        allowed = torch.arange(kn)[None] <= torch.arange(qn)[:, None] + (kn - qn)
-        ki = k[ks:ke].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].double(), ki) * scale
-        yield slice(qs, qe), slice(ks, ke), scores.masked_fill(~allowed, float("-inf")), group
-
-
 def flash_attention_forward_standin(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                                     return_debug_mask, *, scale=None):
-    """``aten._flash_attention_forward``'s varlen contract in fp64: (out, lse fp32 [Hq, Tq], rng, unused, debug)."""
+    """``aten._flash_attention_forward``'s varlen contract: (out, lse fp32 [Hq, Tq], rng, unused, debug)."""
     assert dropout_p == 0.0 and is_causal and not return_debug_mask and scale is not None
-    assert cum_seq_q.dtype == cum_seq_k.dtype == torch.int32 and cum_seq_k[-1] == key.shape[0]
-    assert (max_q, max_k) == (int(cum_seq_q.diff().max()), int(cum_seq_k.diff().max()))
-    out = torch.empty(query.shape, dtype=torch.float64)
-    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float64)
-    for rows, keys, scores, group in _sequence_scores(query, key, cum_seq_q, cum_seq_k, scale):
-        lse[:, rows] = scores.logsumexp(-1)
-        vi = value[keys].double().repeat_interleave(group, 1)
-        out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi)
-    return out.to(query.dtype), lse.float(), torch.zeros(2), torch.empty(0), torch.empty(0)
+    varlen_standins.check_contract(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+    out, lse = varlen_standins.forward(query, key, value, cum_seq_q, cum_seq_k, scale)
+    return out, lse, torch.zeros(2), torch.empty(0), torch.empty(0)
 
 
 def flash_attention_backward_standin(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                                      dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
-    """``aten._flash_attention_backward`` in fp64: FlashAttention's backward from the *given* out and lse
-    (P = exp(S - lse), D = rowsum(dO * O), dS = P (dO V^T - D))."""
-    assert dropout_p == 0.0 and is_causal and logsumexp.shape == (query.shape[1], query.shape[0])
-    dq = torch.zeros(query.shape, dtype=torch.float64)
-    dk, dv = (torch.zeros(key.shape, dtype=torch.float64) for _ in range(2))
-    row_dot = (grad_out.double() * out.double()).sum(-1).T  # [Hq, Tq]
-    for rows, keys, scores, group in _sequence_scores(query, key, cum_seq_q, cum_seq_k, scale):
-        p = (scores - logsumexp[:, rows].double()[..., None]).exp()  # [Hq, qn, kn]
-        do = grad_out[rows].double()
-        ki, vi = (x[keys].double().repeat_interleave(group, 1) for x in (key, value))
-        ds = p * (torch.einsum("qhd,khd->hqk", do, vi) - row_dot[:, rows][..., None])
-        dq[rows] = torch.einsum("hqk,khd->qhd", ds, ki) * scale
-        heads = query.shape[1]
-        dk[keys] = torch.einsum("hqk,qhd->khd", ds, query[rows].double()).view(-1, heads // group, group,
-                                                                               query.shape[2]).sum(2) * scale
-        dv[keys] = torch.einsum("hqk,qhd->khd", p, do).view(-1, heads // group, group, query.shape[2]).sum(2)
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+    """``aten._flash_attention_backward``: FlashAttention's backward from the *given* out and lse."""
+    assert dropout_p == 0.0 and is_causal
+    varlen_standins.check_contract(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+    return varlen_standins.backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, scale)
 
 
 FLASH_OPS_STANDIN = (flash_attention_forward_standin, flash_attention_backward_standin)
@@ -295,7 +266,7 @@ def cuda_like(dtype: torch.dtype, head_dim: int = 64):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the choice on a machine without CUDA")
 def test_auto_without_cuda_picks_cpu_and_explicit_torch_varlen_says_why():
     q = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
-    assert functional._select_backend("auto", q, True).__name__.endswith(".cpu")
+    assert functional.select_backend("auto", q, True, "anchor").__name__.endswith(".cpu")
     with pytest.raises(BackendUnavailableError, match="CUDA tensors only|varlen"):
         anchor_attention(q, q, q, torch.tensor([0, 4], dtype=torch.int32), backend="torch_varlen")
 
@@ -311,14 +282,15 @@ def test_auto_on_cuda_picks_torch_varlen_first(monkeypatch, dtype, capability, e
     monkeypatch.setattr(gpu, "flash_attn_varlen_func", lambda: (None, "not installed"))
     monkeypatch.setattr(gpu, "transformer_engine_pytorch", lambda: (None, "not installed"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert functional._select_backend("auto", cuda_like(dtype), True).__name__.endswith("." + expected)
+    assert functional.select_backend("auto", cuda_like(dtype), True, "anchor").__name__.endswith("." + expected)
 
 
 def test_auto_on_cuda_without_varlen_attn_falls_back_to_flash(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(gpu, "torch_varlen_attn", lambda: (None, "`import torch.nn.attention.varlen` failed"))
     monkeypatch.setattr(gpu, "flash_attn_varlen_func", lambda: (object(), None))
-    chosen = functional._select_backend("auto", cuda_like(torch.bfloat16), True)
+    monkeypatch.setattr(gpu, "flash_attn_varlen_backward", lambda: (object(), None))
+    chosen = functional.select_backend("auto", cuda_like(torch.bfloat16), True, "anchor")
     assert chosen.__name__.endswith(".flash")
     assert "import" in torch_varlen.unavailable_reason(cuda_like(torch.bfloat16), True)
 
@@ -330,25 +302,39 @@ def test_torch_varlen_refuses_head_dims_flash_attention_lacks(monkeypatch, head_
     assert "head_dim" in torch_varlen.unavailable_reason(cuda_like(torch.bfloat16, head_dim), True)
 
 
-@pytest.mark.parametrize("capability, installed, expected", [
-    ((9, 0), {"fa3", "te", "fa4", "torch_varlen", "flash"}, "fa3"),  # Hopper: FlashAttention-3 first
-    ((9, 0), {"te", "fa4", "torch_varlen", "flash"}, "te"),  # then cuDNN through Transformer Engine
-    ((9, 0), {"fa4", "torch_varlen", "flash"}, "fa4"),
-    ((9, 0), {"torch_varlen", "flash", "te"} - {"te"}, "torch_varlen"),  # FlashAttention-2 after them
-    ((10, 0), {"fa3", "te", "fa4", "torch_varlen"}, "fa4"),  # Blackwell: FA4, written for it (FA3 is SM90 only)
-    ((10, 0), {"fa3", "te", "torch_varlen"}, "te"),
-    ((8, 0), {"fa3", "te", "fa4", "torch_varlen", "flash"}, "torch_varlen"),  # Ampere: the FlashAttention-2 order
-    ((8, 0), {"fa3", "te", "fa4", "flash"}, "flash"),
+@pytest.mark.parametrize("capability, installed, expected, expected_with_anchors", [
+    ((9, 0), {"fa3", "te", "fa4", "torch_varlen", "flash"}, "fa3", "fa3"),  # Hopper: FlashAttention-3 first
+    ((9, 0), {"te", "fa4", "torch_varlen", "flash"}, "te", "fa4"),  # then cuDNN through TE (not with anchors)
+    ((9, 0), {"fa4", "torch_varlen", "flash"}, "fa4", "fa4"),
+    ((9, 0), {"torch_varlen", "flash"}, "torch_varlen", "torch_varlen"),  # FlashAttention-2 after them
+    ((10, 0), {"fa3", "te", "fa4", "torch_varlen"}, "fa4", "fa4"),  # Blackwell: FA4 (FA3 is SM90 only)
+    ((10, 0), {"fa3", "te", "torch_varlen"}, "te", "torch_varlen"),
+    ((8, 0), {"fa3", "te", "fa4", "torch_varlen", "flash"}, "torch_varlen", "torch_varlen"),  # Ampere: FA2 order
+    ((8, 0), {"fa3", "te", "fa4", "flash"}, "flash", "flash"),
 ])
-def test_auto_prefers_each_generations_fastest_kernel(monkeypatch, capability, installed, expected):
-    accessors = {"fa3": "flash_attn_3_varlen_func", "fa4": "flash_attn_4_varlen_func", "te": "transformer_engine_pytorch",
-                 "torch_varlen": "torch_varlen_attn", "flash": "flash_attn_varlen_func"}
-    for name, accessor in accessors.items():
+def test_auto_prefers_each_generations_fastest_kernel(monkeypatch, capability, installed, expected,
+                                                      expected_with_anchors):
+    """With anchors te is passed over (it cannot merge the anchor without a K/V copy): the next in the order runs."""
+    accessors = {"fa3": ("flash_attn_3_varlen_func", "flash_attn_3_backward"),
+                 "fa4": ("flash_attn_4_varlen_func", "flash_attn_4_backward"),
+                 "te": ("transformer_engine_pytorch",), "torch_varlen": ("torch_varlen_attn",),
+                 "flash": ("flash_attn_varlen_func", "flash_attn_varlen_backward")}
+    for name, names in accessors.items():
         found = (object(), None) if name in installed else (None, f"{name} not installed")
-        monkeypatch.setattr(gpu, accessor, lambda found=found: found)
+        for accessor in names:
+            monkeypatch.setattr(gpu, accessor, lambda found=found: found)
     monkeypatch.setattr(gpu, "torch_flash_attention_ops", lambda: ((object(), object()), None))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert functional._select_backend("auto", cuda_like(torch.bfloat16), True).__name__.endswith("." + expected)
+    for mode, chosen in (("intra_doc", expected), ("anchor", expected_with_anchors)):
+        assert functional.select_backend("auto", cuda_like(torch.bfloat16), True, mode).__name__.endswith("." + chosen)
+
+
+def test_te_refuses_anchor_mode_and_says_why(monkeypatch):
+    monkeypatch.setattr(gpu, "transformer_engine_pytorch", lambda: (object(), None))
+    q = cuda_like(torch.bfloat16)
+    assert functional.select_backend("te", q, True, "intra_doc").__name__.endswith(".te")
+    with pytest.raises(BackendUnavailableError, match="backend 'te' cannot run here: .*copy K and V in every layer"):
+        functional.select_backend("te", q, True, "anchor")
 
 
 def test_anchor_costs_no_key_value_copy(standin, monkeypatch):

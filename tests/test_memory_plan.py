@@ -220,7 +220,7 @@ def test_every_paper_config_recomputes_what_the_planner_gives(path):
 
     run = load_config(path)
     assert paper_run(path.stem).model == run.model
-    assert f"--gpu-memory h100-80gb` -> " in path.read_text()  # the header says how it fits
+    assert "--gpu-memory h100-80gb` -> " in path.read_text()  # the header says how it fits
 
 
 def test_gpu_cards_and_nominal_sizes():
@@ -234,9 +234,9 @@ def test_gpu_cards_and_nominal_sizes():
         gpu_memory("v100-16gb")
 
 
-def test_all_gather_keeps_every_layers_keys_and_values_and_anchor_copies_are_counted():
-    """Under context-parallel all_gather every stored layer keeps the window's gathered K/V; the anchor backends
-    that gather keep a K/V copy per layer; torch_varlen and cpu merge the anchor without one."""
+def test_all_gather_keeps_every_layers_keys_and_values_and_the_anchor_adds_none():
+    """Under context-parallel all_gather every stored layer keeps the window's gathered K/V; every backend merges
+    the anchor through the log-sum-exp, so anchor mode keeps no K/V beyond that."""
     from dataclasses import replace
 
     model = ModelConfig(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_query_groups=2,
@@ -247,10 +247,11 @@ def test_all_gather_keeps_every_layers_keys_and_values_and_anchor_copies_are_cou
     a2a = plan_memory(replace(model, cp_comm_type="a2a"), VOCAB, layout, **options)
     gathered = plan_memory(replace(model, cp_comm_type="all_gather"), VOCAB, layout, **options)
     assert a2a.kv_extra == 0 and gathered.kv_extra == 4 * 4096 * kv_row
-    anchored = replace(model, cp_comm_type="a2a", attention_type="anchor")
-    copying = plan_memory(replace(anchored, attention_backend="te"), VOCAB, layout, **options)
-    merging = plan_memory(replace(anchored, attention_backend="torch_varlen"), VOCAB, layout, **options)
-    assert copying.kv_extra == 4 * 2048 * kv_row and merging.kv_extra == 0
+    for backend in ("auto", "flash", "fa3", "fa4", "torch_varlen"):
+        anchored = replace(model, cp_comm_type="a2a", attention_type="anchor", attention_backend=backend)
+        assert plan_memory(anchored, VOCAB, layout, **options).kv_extra == 0
+    with pytest.raises(ValueError, match="model.attention_backend='te': .*copy K and V in every layer"):
+        replace(model, attention_type="anchor", attention_backend="te")
     # fusions save SwiGLU's two ffn-sized intermediates per layer and the fp32 copy of the logits
     fused = plan_memory(model, VOCAB, layout, **options, fusions=True)
     unfused = plan_memory(model, VOCAB, layout, **options)

@@ -81,6 +81,10 @@ def test_anchor_config_puts_our_core_attention_in_the_model(llm):
         assert any(k.endswith("linear_qkv.bias") for k in module.state_dict()) == has_bias
     with pytest.raises(ValueError, match="unknown attention_type 'sliding'"):
         tiny(AnchorQwen2Config, attention_type="sliding")
+    with pytest.raises(ValueError, match="attention_kernel='te': .*copy K and V in every layer"):
+        tiny(AnchorQwen2Config, attention_type="anchor", attention_kernel="te")
+    with pytest.raises(ValueError, match=r"attention_kernel='flash2': choose one of \('auto'"):
+        tiny(AnchorQwen2Config, attention_kernel="flash2")
 
 
 def test_packed_batch_trains_through_nemo_steps_with_the_anchor_mask(nemo_run_dir):

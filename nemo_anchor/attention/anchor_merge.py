@@ -22,7 +22,11 @@ made at once.
 
 A kernel is two functions over one :class:`~nemo_anchor.attention.layout.VarlenPlan`:
 ``forward(q, k, v, plan, scale) -> (out, lse)`` with ``lse`` fp32 ``[Hq, Tq]`` (FlashAttention's
-varlen layout), and ``backward(dout, q, k, v, out, lse, plan, scale) -> (dq, dk, dv)``.
+varlen layout), and ``backward(dout, q, k, v, out, lse, plan, scale) -> (dq, dk, dv)``. Every
+FlashAttention generation has both: torch's FlashAttention-2 (``aten._flash_attention_backward``),
+flash-attn 2, 3 and 4 (the backward their own autograd calls), so ``torch_varlen``, ``flash``,
+``fa3`` and ``fa4`` all merge the anchor here; they read k and v through :func:`plan_keys` and
+return key gradients through :func:`plan_key_grad`.
 """
 from __future__ import annotations
 
@@ -68,6 +72,25 @@ def split_anchor(blocks: tuple[QueryBlock, ...], device: torch.device) -> tuple[
             runs.append(_Run(block.start, block.end, block.anchor))
     plain = tuple(replace(b, anchor=None) for b in blocks)
     return varlen_plan(plain, device), tuple(runs)
+
+
+def plan_keys(x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+    """The key (or value) rows the plan's sequences read: a view for a slice; a gather only after a
+    BOS-only document (see :class:`~nemo_anchor.attention.layout.VarlenPlan`)."""
+    return x[plan.kv_rows]
+
+
+def plan_key_grad(grad: torch.Tensor, like: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+    """The gradient of ``plan_keys(like, plan)`` as a gradient of ``like``."""
+    rows = plan.kv_rows
+    if isinstance(rows, slice) and rows == slice(0, like.shape[0]):
+        return grad
+    full = torch.zeros_like(like)
+    if isinstance(rows, slice):
+        full[rows] = grad
+    else:
+        full.index_add_(0, rows, grad)
+    return full
 
 
 def has_anchor(blocks: tuple[QueryBlock, ...]) -> bool:

@@ -3,16 +3,18 @@
 FlashAttention-3 is written for SM90 (H100, H200) with warp specialisation and TMA; MagiAttention's
 published H100 figures (32K, forward, document mask) put it near 585 TFLOP/s against about 345 for
 FlashAttention-2. The sequences are those of the flash-attn 2 backend
-(:class:`nemo_anchor.attention.layout.VarlenPlan`): one per query block, keys prefixed with the
-window anchor's where the block has one, ``causal=True`` aligned to the bottom right. Its
-documented autograd drops the gradient of the log-sum-exp, so the anchor is gathered into the
-keys (a K/V copy per layer in ``anchor`` mode, counted by ``nemo-anchor plan``).
+(:class:`nemo_anchor.attention.layout.VarlenPlan`), ``causal=True`` aligned to the bottom right.
+With anchors the documents run alone and the anchor is merged through the log-sum-exp
+(:mod:`nemo_anchor.attention.anchor_merge`): the public call with ``return_attn_probs=True``
+returns it, and the backward is the op FlashAttention-3's own autograd calls, handed the merged
+output and log-sum-exp (:func:`nemo_anchor.gpu.flash_attn_3_backward`). No K/V copy.
 """
 from __future__ import annotations
 
 import torch
 
 from nemo_anchor import gpu
+from nemo_anchor.attention import anchor_merge
 from nemo_anchor.attention.layout import varlen_plan
 
 _MAX_HEAD_DIM = 256
@@ -32,12 +34,36 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
     capability = torch.cuda.get_device_capability(q.device)
     if capability[0] != _CAPABILITY:
         return f"FlashAttention-3 runs on compute capability 9.x (Hopper) only, got {capability}"
-    return None
+    return gpu.flash_attn_3_backward()[1]
+
+
+def _call(q, k, v, plan, scale, **options):
+    kernel, _ = gpu.flash_attn_3_varlen_func()
+    return kernel(q, anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan), plan.cu_seqlens_q,
+                  plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, softmax_scale=scale, causal=True,
+                  **options)
+
+
+def _documents_forward(q, k, v, plan, scale):
+    out, lse = _call(q, k, v, plan, scale, return_attn_probs=True)
+    return out, lse
+
+
+def _documents_backward(dout, q, k, v, out, lse, plan, scale):
+    backward, _ = gpu.flash_attn_3_backward()
+    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
+    # no seqused, causal, no window or softcap, not deterministic, no SM margin: as the public call
+    backward(dout, q, keys, values, out, lse, plan.cu_seqlens_q, plan.cu_seqlens_k, None, None,
+             plan.max_seqlen_q, plan.max_seqlen_k, dq, dk, dv, scale, True, -1, -1, 0.0, False, 0)
+    return dq, anchor_merge.plan_key_grad(dk, k, plan), anchor_merge.plan_key_grad(dv, v, plan)
+
+
+KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
 
 
 def attention(q, k, v, blocks, q_offset, scale):
-    kernel, _ = gpu.flash_attn_3_varlen_func()
-    plan = varlen_plan(blocks, q.device)
-    out = kernel(q, k[plan.kv_rows], v[plan.kv_rows], plan.cu_seqlens_q, plan.cu_seqlens_k,
-                 plan.max_seqlen_q, plan.max_seqlen_k, softmax_scale=scale, causal=True)
+    if anchor_merge.has_anchor(blocks):
+        return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
+    out = _call(q, k, v, varlen_plan(blocks, q.device), scale)
     return out[0] if isinstance(out, tuple) else out  # some releases return (out, softmax_lse)

@@ -2,15 +2,18 @@
 
 FlashAttention-4 (``flash-attn-4``, ``flash_attn.cute``) is written in CUTLASS's CuTe DSL for SM90
 and SM100, varlen forward and backward. The sequences are those of the flash-attn 2 backend
-(:class:`nemo_anchor.attention.layout.VarlenPlan`), ``causal=True`` aligned to the bottom right;
-the anchor is gathered into the keys (its autograd does not take a log-sum-exp gradient), a K/V
-copy per layer in ``anchor`` mode, counted by ``nemo-anchor plan``.
+(:class:`nemo_anchor.attention.layout.VarlenPlan`), ``causal=True`` aligned to the bottom right.
+With anchors the documents run alone and the anchor is merged through the log-sum-exp
+(:mod:`nemo_anchor.attention.anchor_merge`): the public call with ``return_lse=True`` returns it,
+and the backward is the function FlashAttention-4's own autograd calls, handed the merged output
+and log-sum-exp (:func:`nemo_anchor.gpu.flash_attn_4_backward`). No K/V copy.
 """
 from __future__ import annotations
 
 import torch
 
 from nemo_anchor import gpu
+from nemo_anchor.attention import anchor_merge
 from nemo_anchor.attention.layout import varlen_plan
 
 _MAX_HEAD_DIM = 128
@@ -30,12 +33,35 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
     capability = torch.cuda.get_device_capability(q.device)
     if capability[0] not in _CAPABILITIES:
         return f"FlashAttention-4 runs on compute capability 9.x and 10.x only, got {capability}"
-    return None
+    return gpu.flash_attn_4_backward()[1]
+
+
+def _call(q, k, v, plan, scale, **options):
+    kernel, _ = gpu.flash_attn_4_varlen_func()
+    return kernel(q, anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan),
+                  cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
+                  max_seqlen_k=plan.max_seqlen_k, softmax_scale=scale, causal=True, **options)
+
+
+def _documents_forward(q, k, v, plan, scale):
+    out, lse = _call(q, k, v, plan, scale, return_lse=True)
+    return out, lse
+
+
+def _documents_backward(dout, q, k, v, out, lse, plan, scale):
+    backward, _ = gpu.flash_attn_4_backward()
+    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
+    dq, dk, dv = backward(q, keys, values, out, dout, lse, scale, True,
+                          cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+                          max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)
+    return dq, anchor_merge.plan_key_grad(dk, k, plan), anchor_merge.plan_key_grad(dv, v, plan)
+
+
+KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
 
 
 def attention(q, k, v, blocks, q_offset, scale):
-    kernel, _ = gpu.flash_attn_4_varlen_func()
-    plan = varlen_plan(blocks, q.device)
-    out = kernel(q, k[plan.kv_rows], v[plan.kv_rows], cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-                 max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, softmax_scale=scale, causal=True)
+    if anchor_merge.has_anchor(blocks):
+        return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
+    out = _call(q, k, v, varlen_plan(blocks, q.device), scale)
     return out[0] if isinstance(out, tuple) else out  # (out, lse) in the 4.0 betas

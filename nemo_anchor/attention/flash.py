@@ -1,16 +1,22 @@
 """flash-attn 2 backend: the whole packed sequence in one ``flash_attn_varlen_func`` call.
 
-Every query block is one varlen sequence: its queries, and as keys/values the window anchor's
-(when the block has one) followed by the block's own, so ``cu_seqlens_k`` runs ahead of
-``cu_seqlens_q`` by the number of anchors inserted so far. ``causal=True`` aligns the mask to
-the bottom right when seqlen_q != seqlen_k (flash-attn >= 2.1): each query then sees the anchor
-and its own causal prefix. See :class:`nemo_anchor.attention.layout.VarlenPlan`.
+Every query block is one varlen sequence: its queries, and as keys/values a range of k/v
+(:class:`nemo_anchor.attention.layout.VarlenPlan`; a view, no copy). ``causal=True`` aligns the
+mask to the bottom right when seqlen_q != seqlen_k (flash-attn >= 2.1), so a block whose keys
+start before its first query (context parallelism) sees them all.
+
+With anchors the documents run alone and the anchor is merged through the log-sum-exp
+(:mod:`nemo_anchor.attention.anchor_merge`): the forward is the public ``flash_attn_varlen_func``
+with ``return_attn_probs=True`` (it returns the log-sum-exp, fp32 ``[Hq, Tq]``), the backward the
+op flash-attn's own autograd calls, handed the merged output and log-sum-exp
+(:func:`nemo_anchor.gpu.flash_attn_varlen_backward`, flash-attn >= 2.7). No K/V copy.
 """
 from __future__ import annotations
 
 import torch
 
 from nemo_anchor import gpu
+from nemo_anchor.attention import anchor_merge
 from nemo_anchor.attention.layout import varlen_plan
 
 _MAX_HEAD_DIM = 256
@@ -24,12 +30,36 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
         return f"flash-attn runs on CUDA tensors only, got device {q.device}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn supports float16 and bfloat16 only, got {q.dtype}"
-    if q.shape[-1] > _MAX_HEAD_DIM:
-        return f"flash-attn supports head_dim <= {_MAX_HEAD_DIM}, got {q.shape[-1]}"
-    return None
+    if q.shape[-1] > _MAX_HEAD_DIM or q.shape[-1] % 8:
+        return f"flash-attn needs head_dim a multiple of 8 and <= {_MAX_HEAD_DIM}, got {q.shape[-1]}"
+    return gpu.flash_attn_varlen_backward()[1]
+
+
+def _documents_forward(q, k, v, plan, scale):
+    kernel, _ = gpu.flash_attn_varlen_func()
+    out, lse, _ = kernel(q, anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan),
+                         cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+                         max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
+                         dropout_p=0.0, softmax_scale=scale, causal=True, return_attn_probs=True)
+    return out, lse
+
+
+def _documents_backward(dout, q, k, v, out, lse, plan, scale):
+    backward, _ = gpu.flash_attn_varlen_backward()
+    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
+    # dropout 0, causal, no window, softcap or ALiBi, not deterministic, no random state: as the public call
+    backward(dout, q, keys, values, out, lse, dq, dk, dv, plan.cu_seqlens_q, plan.cu_seqlens_k,
+             plan.max_seqlen_q, plan.max_seqlen_k, 0.0, scale, True, -1, -1, 0.0, None, False, None)
+    return dq, anchor_merge.plan_key_grad(dk, k, plan), anchor_merge.plan_key_grad(dv, v, plan)
+
+
+KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
 
 
 def attention(q, k, v, blocks, q_offset, scale):
+    if anchor_merge.has_anchor(blocks):
+        return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
     flash_attn_varlen_func, _ = gpu.flash_attn_varlen_func()
     plan = varlen_plan(blocks, q.device)
     return flash_attn_varlen_func(

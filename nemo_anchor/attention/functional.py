@@ -24,11 +24,10 @@ _AUTO_ORDER = {
 }
 _FA2_ORDER = ("torch_varlen", "flash", "te")
 _ANYWHERE = ("cpu", "flex", "reference")
-# backends that gather the window anchor into every later document's keys: in anchor mode a copy of
-# K and V per layer, kept for the backward (their documented autograd drops the log-sum-exp gradient
-# a merge needs). torch_varlen and cpu merge the anchor through the log-sum-exp instead: no copy.
-# "auto" may pick one of them on a GPU where they are installed.
-ANCHOR_KV_COPY = frozenset({"auto", "flash", "fa3", "fa4", "te"})
+# backends that cannot attend to the window anchor without copying K and V in every layer: refused
+# in ``anchor`` mode, and skipped there by ``auto``. Every other GPU kernel merges the anchor through
+# the log-sum-exp (:mod:`nemo_anchor.attention.anchor_merge`), one extra key per query.
+NO_ANCHOR = frozenset({"te"})
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -75,16 +74,17 @@ def anchor_attention(
             log-sum-exp; O(T * H * D) memory. CPU tensors.
             ``"flex"``: compiled FlexAttention with a block mask built once per layout; forward and
             backward on CUDA. On the CPU torch has no FlexAttention backward: forward only.
-            ``"torch_varlen"``: torch's FlashAttention-2 varlen kernel (torch >= 2.10; CUDA,
-            fp16/bf16): one call per layer, the anchor merged through the log-sum-exp (no K/V copy).
-            ``"flash"``: one flash-attn 2 ``flash_attn_varlen_func`` call (CUDA, fp16/bf16).
-            ``"fa3"``: one FlashAttention-3 ``flash_attn_interface.flash_attn_varlen_func`` call (Hopper).
-            ``"fa4"``: one FlashAttention-4 ``flash_attn.cute.flash_attn_varlen_func`` call (Hopper, Blackwell).
+            ``"torch_varlen"``: torch's FlashAttention-2 varlen kernel (torch >= 2.10; CUDA, fp16/bf16).
+            ``"flash"``: flash-attn 2's ``flash_attn_varlen_func`` (>= 2.7; CUDA, fp16/bf16).
+            ``"fa3"``: FlashAttention-3's ``flash_attn_interface.flash_attn_varlen_func`` (Hopper).
+            ``"fa4"``: FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func`` (Hopper, Blackwell).
+            These four make one kernel call per layer; with anchors the documents run alone and the
+            anchor is merged through the log-sum-exp: one extra key per query, no K/V copy.
             ``"te"``: Transformer Engine ``DotProductAttention`` (cuDNN fused attention), THD,
-            bottom-right causal (CUDA).
+            bottom-right causal (CUDA); ``full`` and ``intra_doc`` only (see ``NO_ANCHOR``).
             ``"auto"``: the first that can run these inputs: on Hopper fa3, te, fa4, torch_varlen,
-            flash; on Blackwell fa4, te, torch_varlen, flash; on Ampere torch_varlen, flash, te;
-            then cpu, flex, reference (a GPU in fp32: flex; the CPU: cpu).
+            flash; on Blackwell fa4, te, torch_varlen, flash; on Ampere torch_varlen, flash, te
+            (te skipped in ``anchor`` mode); then cpu, flex, reference (a GPU in fp32: flex; the CPU: cpu).
         softmax_scale: scale of ``q @ k^T``; default ``D ** -0.5``. Softmax statistics are fp32
             whatever the input dtype.
         q_offset: the rows of q are the tokens at packed positions ``[q_offset, q_offset + Tq)``
@@ -102,7 +102,8 @@ def anchor_attention(
     Raises:
         ValueError: malformed input (shapes, dtypes, devices, boundaries, mode, backend name),
             naming the offending argument and value.
-        BackendUnavailableError: an explicitly requested backend cannot run here; says why.
+        BackendUnavailableError: an explicitly requested backend cannot run here (or, ``te``, not in
+            ``anchor`` mode); says why.
     """
     _check_tensors(q, k, v, q_offset)
     if mode not in MODES:
@@ -123,7 +124,7 @@ def anchor_attention(
         raise ValueError(f"the layout covers T={layout.total} tokens, but k and v hold {k.shape[0]}")
     blocks = layout.blocks(mode, q_offset, q.shape[0])
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    implementation = _select_backend(backend, q, needs_grad)
+    implementation = select_backend(backend, q, needs_grad, mode)
     return implementation.attention(q, k, v, blocks, q_offset, float(softmax_scale))
 
 
@@ -159,14 +160,34 @@ def auto_order(q: torch.Tensor) -> tuple[str, ...]:
     return gpu_order + _ANYWHERE
 
 
-def _select_backend(backend: str, q: torch.Tensor, needs_grad: bool):
+def select_backend(backend: str, q: torch.Tensor, needs_grad: bool, mode: str):
+    """The backend module that runs ``mode`` for ``q`` (``auto``: the first in :func:`auto_order` that can).
+
+    Raises:
+        BackendUnavailableError: an explicitly named backend cannot; says why.
+    """
     if backend == "auto":  # the reference runs everywhere: there always is one
-        return next(m for m in map(_backend_module, auto_order(q)) if m.unavailable_reason(q, needs_grad) is None)
-    implementation = _backend_module(backend)
-    reason = implementation.unavailable_reason(q, needs_grad)
+        return _backend_module(next(b for b in auto_order(q) if unavailable_reason(b, q, needs_grad, mode) is None))
+    reason = unavailable_reason(backend, q, needs_grad, mode)
     if reason is not None:
         raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
-    return implementation
+    return _backend_module(backend)
+
+
+def unavailable_reason(backend: str, q: torch.Tensor, needs_grad: bool, mode: str) -> str | None:
+    """Why ``backend`` cannot run ``mode`` for ``q`` on this machine, or None when it can."""
+    return backend_refusal(backend, mode) or _backend_module(backend).unavailable_reason(q, needs_grad)
+
+
+def backend_refusal(backend: str, mode: str) -> str | None:
+    """Why ``backend`` never runs ``mode`` on any machine (a config error, checked before launch), or None."""
+    if backend not in BACKENDS:
+        return f"choose one of {BACKENDS}"
+    if mode == "anchor" and backend in NO_ANCHOR:
+        return ("its public attention returns no log-sum-exp to merge the anchor with, and gathering the anchor "
+                "into every document's keys would copy K and V in every layer; use auto, fa3, fa4, torch_varlen "
+                "or flash")
+    return None
 
 
 def _backend_module(name: str):

@@ -1,7 +1,10 @@
-"""Transformer Engine backend: ``DotProductAttention`` in THD format, bottom-right causal.
+"""Transformer Engine backend: ``DotProductAttention`` in THD format, bottom-right causal; ``full`` and ``intra_doc``.
 
 The sequences are those of the flash-attn backend (:class:`nemo_anchor.attention.layout.VarlenPlan`):
-one per query block, keys/values prefixed with the window anchor's where the block has one.
+one per query block, its keys a range of k/v (a view, no copy). ``anchor`` mode is refused
+(:data:`nemo_anchor.attention.functional.NO_ANCHOR`): TE's public attention returns no
+log-sum-exp to merge the anchor with, and putting the anchor in front of every document's keys
+would copy K and V in every layer.
 One TE module per head configuration is kept: it has no parameters, only kernel selection state.
 """
 from __future__ import annotations

@@ -86,25 +86,10 @@ def kernel_arguments(kernel: Callable[..., Any], scale: float, head_dim: int, gr
     return keywords, factor
 
 
-def _keys(x: torch.Tensor, rows) -> torch.Tensor:
-    return x[rows]  # a view for a slice; a gather only after a BOS-only document (see VarlenPlan)
-
-
-def _scatter(grad: torch.Tensor, like: torch.Tensor, rows) -> torch.Tensor:
-    """The gradient of ``like[rows]`` as a gradient of ``like``."""
-    if isinstance(rows, slice) and rows == slice(0, like.shape[0]):
-        return grad
-    full = torch.zeros_like(like)
-    if isinstance(rows, slice):
-        full[rows] = grad
-    else:
-        full.index_add_(0, rows, grad)
-    return full
-
-
 def _documents_forward(q, k, v, plan, scale):
     forward, _ = gpu.torch_flash_attention_ops()[0]
-    out, lse, *_ = forward(q, _keys(k, plan.kv_rows), _keys(v, plan.kv_rows), plan.cu_seqlens_q, plan.cu_seqlens_k,
+    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
+    out, lse, *_ = forward(q, keys, values, plan.cu_seqlens_q, plan.cu_seqlens_k,
                            plan.max_seqlen_q, plan.max_seqlen_k, 0.0, True, False, scale=scale)
     return out, lse
 
@@ -113,10 +98,11 @@ def _documents_backward(dout, q, k, v, out, lse, plan, scale):
     _, backward = gpu.torch_flash_attention_ops()[0]
     # no dropout: the random state is unused, passed as torch's varlen_attn passes it
     rng_state, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
-    dq, dk, dv = backward(dout, q, _keys(k, plan.kv_rows), _keys(v, plan.kv_rows), out, lse, plan.cu_seqlens_q,
+    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
+    dq, dk, dv = backward(dout, q, keys, values, out, lse, plan.cu_seqlens_q,
                           plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, 0.0, True, rng_state, unused,
                           scale=scale)
-    return dq, _scatter(dk, k, plan.kv_rows), _scatter(dv, v, plan.kv_rows)
+    return dq, anchor_merge.plan_key_grad(dk, k, plan), anchor_merge.plan_key_grad(dv, v, plan)
 
 
 KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from nemo_anchor.attention.paradigms import attention_type_names
+from nemo_anchor.attention.functional import backend_refusal
+from nemo_anchor.attention.paradigms import attention_type_names, get_attention_type
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_SCALINGS = ("none", "yarn", "ntk", "llama3")
@@ -68,6 +69,9 @@ class ModelConfig:
             bad("architecture", self.architecture, f"choose one of {list(ARCHITECTURES)}")
         if self.attention_type not in attention_type_names():
             bad("attention_type", self.attention_type, f"choose one of {attention_type_names()}")
+        refusal = backend_refusal(self.attention_backend, get_attention_type(self.attention_type).mask)
+        if refusal:
+            bad("attention_backend", self.attention_backend, refusal)
         if self.rope_scaling not in ROPE_SCALINGS:
             bad("rope_scaling", self.rope_scaling, f"choose one of {list(ROPE_SCALINGS)}")
         if self.recompute not in ("none", "selective", "full"):

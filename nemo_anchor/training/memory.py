@@ -11,9 +11,9 @@ The plan follows what Megatron-Core allocates for the engine in :mod:`nemo_ancho
   store the T x T scores), for the recompute policy, times the micro-batches a pipeline stage holds;
 - logits: the output layer's logits and the fp32 softmax of the vocabulary-parallel cross entropy;
 - keys and values beyond the layer's own: under context parallelism with ``all_gather`` every
-  layer keeps the whole window's gathered K/V for its backward; in ``anchor`` mode the backends
-  that gather the anchor into each document's keys (:data:`nemo_anchor.attention.functional.ANCHOR_KV_COPY`,
-  ``auto`` included: it may pick one) keep a K/V copy per layer;
+  layer keeps the whole window's gathered K/V for its backward. The anchor adds none: every
+  backend that runs ``anchor`` mode merges it through the log-sum-exp
+  (:mod:`nemo_anchor.attention.anchor_merge`), recomputing its one score per query in the backward;
 - communication: the sequence-parallel all-gather of one layer's input and an all-to-all (Ulysses)
   buffer of one layer's keys and values;
 - headroom: 5% of the GPU left to PyTorch's caching allocator (fragmentation), on top of the
@@ -301,7 +301,7 @@ class MemoryPlan:
     total: int
     gpu_bytes: int  # what PyTorch can allocate on the GPU
     layout: Layout
-    kv_extra: int = 0  # of the activations: gathered (all_gather CP) and anchor-copied K/V kept for backward
+    kv_extra: int = 0  # of the activations: the gathered K/V (all_gather CP) kept for backward
     headroom: int = 0  # left free for the allocator (ALLOCATOR_HEADROOM of gpu_bytes)
 
     @property
@@ -319,9 +319,6 @@ def plan_memory(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_byte
                 fusions: bool = False) -> MemoryPlan:
     """The busiest rank's memory for ``model`` trained on ``layout`` (the first pipeline stage holds
     the most micro-batches in flight, the last the logits: both are taken at their worst)."""
-    from nemo_anchor.attention.functional import ANCHOR_KV_COPY
-    from nemo_anchor.attention.paradigms import get_attention_type
-
     state = _busiest_state(model, vocab_size, layout, bf16=bf16, distributed_optimizer=distributed_optimizer)
     tokens = model.seq_length * micro_batch_size // layout.context
     per_token = activation_bytes_per_token(model, vocab_size, bf16=bf16, tensor=layout.tensor, fusions=fusions)
@@ -329,11 +326,8 @@ def plan_memory(model: ModelConfig, vocab_size: int, layout: Layout, *, gpu_byte
     kv_row = 2 * kv * a / layout.tensor  # one token's keys and values
     gathered = layout.context > 1 and model.cp_comm_type == "all_gather"
     window_tokens = model.seq_length * micro_batch_size
-    # per layer kept for the backward: the all_gather K/V of the whole window, and the anchor backends'
-    # copy of the K/V they attend to (the gathered window, or under a2a the window for Hkv / cp heads)
+    # per layer kept for the backward: the all_gather K/V of the whole window
     kv_extra_per_layer = window_tokens * kv_row if gathered else 0
-    if get_attention_type(model.attention_type).mask == "anchor" and model.attention_backend in ANCHOR_KV_COPY:
-        kv_extra_per_layer += (window_tokens if gathered else tokens) * kv_row
     layers = model.num_layers // layout.pipeline
     recomputed = 0 if model.recompute != "full" else (model.recompute_num_layers or layers)
     # selective recompute (core attention) frees nothing measurable here: attention kernels keep only

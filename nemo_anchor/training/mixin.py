@@ -15,6 +15,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_anchor import launch
+from nemo_anchor.attention.functional import backend_refusal
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.data import variable_shape_batch
 from nemo_anchor.model.gpt import YarnFields
@@ -73,7 +74,9 @@ class AnchorConfigMixin(YarnFields):
     devices_decided_at_construction: ClassVar[bool] = True
 
     def __post_init__(self):
-        get_attention_type(self.attention_type)  # ValueError naming the choices
+        refusal = backend_refusal(self.attention_kernel, get_attention_type(self.attention_type).mask)
+        if refusal:  # get_attention_type raised already for an unknown type, naming the choices
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}: {refusal}")
         if self.attention_backend == AttnBackend.local:
             raise ValueError("attention_backend=local makes NeMo replace the core attention with Megatron's "
                              "DotProductAttention; leave it at auto to keep AnchorCoreAttention")

@@ -1,0 +1,126 @@
+"""FlashAttention's varlen contract in fp64: what the CPU stand-ins of every FlashAttention generation compute.
+
+A varlen call attends each query sequence ``cu_q[i]:cu_q[i+1]`` to its key sequence
+``cu_k[i]:cu_k[i+1]``, causal aligned to the bottom right (the last query sits on the last key),
+query head ``h`` reading key/value head ``h // (Hq // Hkv)``. The forward returns the output and
+the log-sum-exp (fp32 ``[Hq, Tq]``); the backward is FlashAttention's, from the *given* output
+and log-sum-exp: ``P = exp(S - lse)``, ``D = rowsum(dO * O)``, ``dS = P (dO V^T - D)``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def check_contract(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
+    """The documented argument contract shared by every FlashAttention varlen entry point."""
+    assert q.dtype == k.dtype == v.dtype and q.dim() == k.dim() == 3 and k.shape == v.shape
+    assert q.shape[1] % k.shape[1] == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.device == cu_k.device == q.device
+    assert len(cu_q) == len(cu_k) and cu_q[0] == cu_k[0] == 0
+    assert cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
+    assert isinstance(max_q, int) and isinstance(max_k, int)
+    assert (max_q, max_k) == (int(cu_q.diff().max()), int(cu_k.diff().max()))
+
+
+def _sequences(q, k, cu_q, cu_k, scale):
+    """Per sequence: (q rows, k rows, fp64 scores ``[Hq, qn, kn]`` masked bottom-right causal, GQA group)."""
+    group = q.shape[1] // k.shape[1]
+    for qs, qe, ks, ke in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
+        qn, kn = qe - qs, ke - ks
+        allowed = torch.arange(kn)[None] <= torch.arange(qn)[:, None] + (kn - qn)
+        ki = k[ks:ke].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].double(), ki) * scale
+        yield slice(qs, qe), slice(ks, ke), scores.masked_fill(~allowed, float("-inf")), group
+
+
+def forward(q, k, v, cu_q, cu_k, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out in q's dtype, lse fp32 [Hq, Tq])``."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float64)
+    for rows, keys, scores, group in _sequences(q, k, cu_q, cu_k, scale):
+        lse[:, rows] = scores.logsumexp(-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[keys].double().repeat_interleave(group, 1))
+    return out.to(q.dtype), lse.float()
+
+
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` in the inputs' dtypes, from the given ``out`` and ``lse``."""
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
+    dq = torch.zeros(q.shape, dtype=torch.float64)
+    dk, dv = (torch.zeros(k.shape, dtype=torch.float64) for _ in range(2))
+    row_dot = (dout.double() * out.double()).sum(-1).T  # [Hq, Tq]
+    heads, head_dim = q.shape[1], q.shape[2]
+    for rows, keys, scores, group in _sequences(q, k, cu_q, cu_k, scale):
+        p = (scores - lse[:, rows].double()[..., None]).exp()  # [Hq, qn, kn]
+        do = dout[rows].double()
+        ki, vi = (x[keys].double().repeat_interleave(group, 1) for x in (k, v))
+        ds = p * (torch.einsum("qhd,khd->hqk", do, vi) - row_dot[:, rows][..., None])
+        dq[rows] = torch.einsum("hqk,khd->qhd", ds, ki) * scale
+        per_group = (-1, heads // group, group, head_dim)
+        dk[keys] = torch.einsum("hqk,qhd->khd", ds, q[rows].double()).view(per_group).sum(2) * scale
+        dv[keys] = torch.einsum("hqk,qhd->khd", p, do).view(per_group).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --- each library's entry points, with their documented signatures ----------------------------
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, return_attn_probs=False, **unused):
+    """flash-attn 2's ``flash_attn_varlen_func``: out, or ``(out, softmax_lse, S_dmask)``."""
+    assert dropout_p == 0.0 and causal and not unused
+    check_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out, lse = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                               softcap, alibi_slopes, deterministic, rng_state=None, zero_tensors=False):
+    """``torch.ops.flash_attn._flash_attn_varlen_backward``: fills dq, dk, dv; returns softmax_d."""
+    assert dropout_p == 0.0 and causal and (window_size_left, window_size_right) == (-1, -1)
+    assert softcap == 0.0 and alibi_slopes is None and not zero_tensors
+    check_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for target, grad in zip((dq, dk, dv), backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
+                                                    softmax_scale)):
+        assert target.shape == grad.shape and target.dtype == grad.dtype
+        target.copy_(grad)
+    return torch.zeros_like(softmax_lse)
+
+
+def fa3_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                    seqused_k=None, softmax_scale=None, causal=False, return_attn_probs=False, **unused):
+    """FlashAttention-3's ``flash_attn_interface.flash_attn_varlen_func``: out, or ``(out, softmax_lse)``."""
+    assert causal and seqused_q is None and seqused_k is None and not unused
+    check_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+    return (out, lse) if return_attn_probs else out
+
+
+def fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
+                 max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+                 deterministic, sm_margin):
+    """``torch.ops.flash_attn_3._flash_attn_backward``: fills dq, dk, dv; returns softmax_d."""
+    assert is_causal and sequed_q is None and sequed_k is None and (window_size_left, window_size_right) == (-1, -1)
+    return flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                      max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, True, -1, -1, softcap, None,
+                                      deterministic)
+
+
+def fa4_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    softmax_scale=None, causal=False, return_lse=False, **unused):
+    """FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func``: keyword boundaries, ``(out, lse or None)``."""
+    assert causal and not unused
+    check_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out, lse = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return out, (lse if return_lse else None)
+
+
+def fa4_backward(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None,
+                 window_size_right=None, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                 max_seqlen_k=None, **unused):
+    """``flash_attn.cute.interface._flash_attn_bwd``: ``(dq, dk, dv)``."""
+    assert causal and softcap == 0.0 and window_size_left is None and window_size_right is None and not unused
+    check_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale)
