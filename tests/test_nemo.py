@@ -127,6 +127,40 @@ def test_nemo2_checkpoint_exports_to_transformers(nemo_run_dir):
     assert (hf_dir / "tokenizer.json").is_file()  # NeMo's tokenizer artifact travelled along
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert hf.config.rope_theta == model.config.rotary_base and hf.config.max_position_embeddings == SEQ
+    # NeMo pads the 259-token vocabulary to 384 rows; the HF model has the tokenizer's rows, as NeMo's own
+    # exporters give it
+    tokens = batch["tokens"][:, :24]
+    with torch.no_grad():
+        ours = model.module(tokens, torch.arange(24).expand_as(tokens), None)
+        assert (hf(tokens).logits - ours).abs().max() <= 1e-4
+
+
+def test_nemo2_export_drops_the_rows_nemo_pads_the_vocabulary_with(nemo_run_dir, tmp_path):
+    """NeMo pads the embedding and output layer (make_vocab_size_divisible_by x TP rows); the HF model gets the
+    config's vocab_size rows, as NeMo's own exporters give it, and the same logits."""
+    import shutil
+
+    import transformers
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from nemo_anchor.convert.sources import read_dist_checkpoint
+    from nemo_anchor.export.hf import export_hf
+
+    model, batch, checkpoint = nemo_run_dir
+    vocab = model.config.vocab_size
+    padded = tmp_path / "padded" / "step=1"
+    shutil.copytree(checkpoint / "context", padded / "context")
+    tensors = read_dist_checkpoint(checkpoint / "weights", prefix="module.")
+    rows = {"embedding.word_embeddings.weight", "output_layer.weight"}
+    tensors = {key: torch.cat([t, torch.randn(384 - vocab, t.shape[1])]) if key in rows else t
+               for key, t in tensors.items()}
+    (padded / "weights").mkdir()
+    dist_checkpointing.save({f"module.{key}": ShardedTensor.from_rank_offsets(f"module.{key}", t.contiguous())
+                             for key, t in tensors.items()}, str(padded / "weights"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(padded, tmp_path / "hf")).eval()
+    assert hf.config.vocab_size == vocab
+    assert hf.get_input_embeddings().weight.shape[0] == hf.get_output_embeddings().weight.shape[0] == vocab
     tokens = batch["tokens"][:, :24]
     with torch.no_grad():
         ours = model.module(tokens, torch.arange(24).expand_as(tokens), None)

@@ -124,7 +124,24 @@ def _read_nemo2(path: Path) -> LoadedCheckpoint:
     config = model_config_from_megatron(nemo["config"], source=str(model_yaml))
     tensors = read_dist_checkpoint(path / "weights", prefix="module.")
     state = canonical_state(tensors, config.num_layers, source=str(path / "weights"))
+    state = _without_vocab_padding(state, config.vocab_size, source=str(path / "weights"))
     return _checked(path, NEMO2, config, state, _nemo2_tokenizer_dir(path / "context", nemo.get("tokenizer")))
+
+
+_VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _without_vocab_padding(state: dict, vocab_size: Optional[int], *, source: str) -> dict:
+    """The state with the rows NeMo pads the vocabulary with (to ``make_vocab_size_divisible_by`` x tensor
+    parallel) dropped, so the model has its tokenizer's ``vocab_size`` rows, as NeMo's own HF exporters
+    give it (``TransformFns.prune_padding``). ValueError when a tensor has fewer rows than the vocabulary."""
+    if vocab_size is None:  # no vocab_size in the config: the rows are the vocabulary
+        return state
+    for key in _VOCAB_ROWS:
+        rows = state[key].shape[0] if key in state else vocab_size
+        if rows < vocab_size:
+            raise ValueError(f"{source}: {key} has {rows} rows, fewer than the config's vocab_size={vocab_size}")
+    return {key: t[:vocab_size] if key in _VOCAB_ROWS else t for key, t in state.items()}
 
 
 def check_nemo2_weights(checkpoint: Path, config: Optional[ModelConfig] = None) -> ModelConfig:
