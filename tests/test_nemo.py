@@ -383,3 +383,24 @@ def test_nemo_export_refuses_weights_that_disagree_with_the_checkpoint_config(ll
     with pytest.raises(ValueError, match=r"stacks \(2,\) layers, the model config has num_layers=3") as refused:
         llm.export_ckpt(path=checkpoint, target="hf", output_path=tmp_path / "hf-again")
     assert "strict" not in str(refused.value) and not (tmp_path / "hf-again").exists()
+
+
+def test_checkpoints_that_name_the_old_mixin_module_still_load(nemo_run_dir, tmp_path):
+    """Contexts saved before the mixin moved to nemo_anchor.training.mixin name nemo_anchor.nemo.mixin for the
+    functions a config holds (layer spec, data step); NeMo still rebuilds the same config from them."""
+    import shutil
+
+    from nemo.lightning import io
+
+    model, _, checkpoint = nemo_run_dir
+    old = tmp_path / "step=1"
+    shutil.copytree(checkpoint / "context", old / "context")
+    context = old / "context" / "io.json"
+    text = context.read_text()
+    assert "nemo_anchor.training.mixin" in text
+    context.write_text(text.replace("nemo_anchor.training.mixin", "nemo_anchor.nemo.mixin"))
+    config = io.load_context(str(old), subpath="model.config")
+    expected = io.load_context(str(checkpoint), subpath="model.config")
+    assert config.transformer_layer_spec is expected.transformer_layer_spec
+    assert config.data_step_fn.func is expected.data_step_fn.func
+    assert (config.num_layers, config.attention_type) == (model.config.num_layers, model.config.attention_type)

@@ -13,27 +13,15 @@ from __future__ import annotations
 import torch
 
 from nemo_anchor import gpu
-from nemo_anchor.attention import anchor_merge
+from nemo_anchor.attention import anchor_merge, requirements
 from nemo_anchor.attention.layout import varlen_plan
 
-_MAX_HEAD_DIM = 128
-_CAPABILITIES = (9, 10)  # SM90 (Hopper), SM100 (Blackwell)
 
 
 def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
-    kernel, reason = gpu.flash_attn_4_varlen_func()
-    if kernel is None:
-        return reason
-    if not q.is_cuda:
-        return f"FlashAttention-4 runs on CUDA tensors only, got device {q.device}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"FlashAttention-4 supports float16 and bfloat16 only, got {q.dtype}"
-    if q.shape[-1] > _MAX_HEAD_DIM or q.shape[-1] % 8:
-        return f"FlashAttention-4 needs head_dim a multiple of 8 and <= {_MAX_HEAD_DIM}, got {q.shape[-1]}"
-    capability = torch.cuda.get_device_capability(q.device)
-    if capability[0] not in _CAPABILITIES:
-        return f"FlashAttention-4 runs on compute capability 9.x and 10.x only, got {capability}"
-    return gpu.flash_attn_4_backward()[1]
+    return (gpu.flash_attn_4_varlen_func()[1]
+            or requirements.cuda_reason("FlashAttention-4", q, max_head_dim=128, capabilities=(9, 10))  # SM90, SM100
+            or gpu.flash_attn_4_backward()[1])
 
 
 def _call(q, k, v, plan, scale, **options):

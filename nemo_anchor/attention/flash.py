@@ -16,23 +16,14 @@ from __future__ import annotations
 import torch
 
 from nemo_anchor import gpu
-from nemo_anchor.attention import anchor_merge
+from nemo_anchor.attention import anchor_merge, requirements
 from nemo_anchor.attention.layout import varlen_plan
 
-_MAX_HEAD_DIM = 256
 
 
 def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
-    kernel, reason = gpu.flash_attn_varlen_func()
-    if kernel is None:
-        return reason
-    if not q.is_cuda:
-        return f"flash-attn runs on CUDA tensors only, got device {q.device}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn supports float16 and bfloat16 only, got {q.dtype}"
-    if q.shape[-1] > _MAX_HEAD_DIM or q.shape[-1] % 8:
-        return f"flash-attn needs head_dim a multiple of 8 and <= {_MAX_HEAD_DIM}, got {q.shape[-1]}"
-    return gpu.flash_attn_varlen_backward()[1]
+    return (gpu.flash_attn_varlen_func()[1] or requirements.cuda_reason("flash-attn", q, max_head_dim=256)
+            or gpu.flash_attn_varlen_backward()[1])
 
 
 def _documents_forward(q, k, v, plan, scale):

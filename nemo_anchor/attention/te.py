@@ -14,20 +14,14 @@ import functools
 import torch
 
 from nemo_anchor import gpu
+from nemo_anchor.attention import requirements
 from nemo_anchor.attention.layout import varlen_plan
 
 _MASK = "padding_causal_bottom_right"
 
 
 def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
-    te, reason = gpu.transformer_engine_pytorch()
-    if te is None:
-        return reason
-    if not q.is_cuda:
-        return f"Transformer Engine runs on CUDA tensors only, got device {q.device}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"Transformer Engine's fused THD attention supports float16 and bfloat16 only, got {q.dtype}"
-    return None
+    return gpu.transformer_engine_pytorch()[1] or requirements.cuda_reason("Transformer Engine", q)
 
 
 @functools.lru_cache(maxsize=16)

@@ -29,30 +29,16 @@ from typing import Any, Callable
 import torch
 
 from nemo_anchor import gpu
-from nemo_anchor.attention import anchor_merge
+from nemo_anchor.attention import anchor_merge, requirements
 from nemo_anchor.attention.layout import varlen_plan
 
-_MAX_HEAD_DIM = 256
-_MIN_CAPABILITY = (8, 0)  # FlashAttention-2: Ampere or newer
 
 
 def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
-    kernel, reason = gpu.torch_varlen_attn()
-    if kernel is None:
-        return reason
-    if not q.is_cuda:
-        return f"torch's varlen_attn runs on CUDA tensors only, got device {q.device}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"torch's varlen_attn (FlashAttention-2) supports float16 and bfloat16 only, got {q.dtype}"
-    head_dim = q.shape[-1]
-    if head_dim > _MAX_HEAD_DIM or head_dim % 8:
-        return f"torch's varlen_attn needs head_dim a multiple of 8 and <= {_MAX_HEAD_DIM}, got {head_dim}"
-    if gpu.torch_flash_attention_ops()[0] is None:
-        return gpu.torch_flash_attention_ops()[1]
-    capability = torch.cuda.get_device_capability(q.device)
-    if capability < _MIN_CAPABILITY:
-        return f"torch's varlen_attn (FlashAttention-2) needs compute capability >= 8.0, got {capability}"
-    return None
+    return (gpu.torch_varlen_attn()[1]
+            or requirements.cuda_reason("torch's varlen_attn (FlashAttention-2)", q, max_head_dim=256,
+                                        min_capability=(8, 0))  # Ampere or newer
+            or gpu.torch_flash_attention_ops()[1])
 
 
 @functools.cache

@@ -26,6 +26,7 @@ Every run writes ``metrics.jsonl`` in its log directory (``AnchorMetricsCallback
 
 from typing import Optional
 
+import fiddle as fdl
 import lightning.pytorch as pl
 import nemo_run as run
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -38,7 +39,7 @@ from nemo_anchor.model.config import paper_rotary_base
 from nemo_anchor.nemo.config import PRESETS, AnchorLlamaConfig, AnchorMistralConfig, AnchorQwen2Config
 from nemo_anchor.nemo.data import AnchorPackedDataModule
 from nemo_anchor.nemo.metrics import AnchorMetricsCallback
-from nemo_anchor.nemo.run_guard import AnchorPreemption, AnchorRunGuard
+from nemo_anchor.nemo.run_guard import AnchorNeMoLogger, AnchorPreemption, AnchorRunGuard
 from nemo_anchor.nemo.models import AnchorLlamaModel, AnchorMistralModel, AnchorQwen2Model, model_class_for
 from nemo_anchor.nemo.strategy import AnchorMegatronStrategy, AnchorMixedPrecision
 from nemo_anchor.training import presets
@@ -93,9 +94,10 @@ def anchor_optimizer(lr: float = 2e-5) -> run.Config[nl.MegatronOptimizerModule]
 
 
 def anchor_log(dir: Optional[str], name: str) -> run.Config[nl.NeMoLogger]:
-    """NeMo's default logger; its last checkpoint keeps the optimizer state (a resume continues the
+    """NeMo's default logger (as :class:`~nemo_anchor.nemo.run_guard.AnchorNeMoLogger`); its last checkpoint keeps the optimizer state (a resume continues the
     run exactly), and the checkpoint name needs no validation loss (the runs have none by default)."""
     log = default_log(dir=dir, name=name, tensorboard_logger=tensorboard_logger(name=name))
+    fdl.update_callable(log, AnchorNeMoLogger)  # the run's lock before NeMo writes into its directory
     log.ckpt.filename = "{step}-{consumed_samples}"
     log.ckpt.save_optim_on_train_end = True
     return log

@@ -10,6 +10,9 @@
   (``optim.lr``, ``trainer.global_batch_size``, ``optim.clip_grad``...), set in a recipe as
   ``recipe.trainer.callbacks[1].allow_change = ["optim.lr"]``, or on NeMo-Run's command line as
   ``'trainer.callbacks[1].allow_change=["optim.lr"]'``.
+- :class:`AnchorNeMoLogger`: NeMo's logger, taking that lock on the log directory before NeMo writes into
+  it (its ``task.json``, with ``"w"``, and its log files), so a refused run leaves the holder's files as
+  they were; the guard then holds the same claim.
 - :class:`AnchorPreemption`: NeMo's ``PreemptionCallback`` on SIGTERM, SIGINT and SIGUSR1 (Slurm's
   ``--signal=USR1@120``): the step in progress finishes, the last checkpoint is saved and the
   process exits with ``nemo-anchor train``'s status 75, so the same command resumes.
@@ -30,6 +33,7 @@ from typing import Any, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
+from nemo import lightning as nl
 from nemo.lightning.pytorch.callbacks import PreemptionCallback
 
 from nemo_anchor.data.tokenizer import check_same_tokenizer, load_tokenizer
@@ -64,6 +68,35 @@ def run_config(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, 
     }
 
 
+# the claims taken by AnchorNeMoLogger, by log directory, until the run's AnchorRunGuard adopts them
+_CLAIMS: dict[Path, RunClaim] = {}
+
+
+def _claim(log_dir) -> RunClaim:
+    """The claim on ``log_dir``: the one the logger took, or a new one (a recipe with NeMo's own logger)."""
+    path = Path(log_dir).resolve()
+    return _CLAIMS.pop(path, None) or RunClaim(RunDir(path))
+
+
+class AnchorNeMoLogger(nl.NeMoLogger):
+    """NeMo's ``NeMoLogger``, with the run's lock on its log directory taken before NeMo writes there.
+
+    NeMo's ``setup`` writes ``task.json`` (mode ``"w"``) and opens its log files in the directory it
+    picks; here ``setup`` picks it without the task config, claims it on global rank 0 (refused: the run
+    stops, the directory untouched), and only then writes the task config.
+    """
+
+    def setup(self, trainer, resume_if_exists: bool = False, task_config=None):
+        app_state = super().setup(trainer, resume_if_exists=resume_if_exists, task_config=None)
+        if trainer.global_rank == 0:
+            path = Path(app_state.log_dir).resolve()
+            if path not in _CLAIMS:
+                _CLAIMS[path] = RunClaim(RunDir(path))
+            if task_config is not None:
+                self._handle_task_config(task_config, path)
+        return app_state
+
+
 def _checkpoint_dir(path) -> Path:
     """NeMo's checkpoint directory (``trainer.ckpt_path`` names its ``weights/``)."""
     path = Path(str(path))
@@ -93,7 +126,7 @@ class AnchorRunGuard(pl.Callback):
         from nemo.utils import AppState
 
         if trainer.is_global_zero:  # first: while another run holds the directory, nothing else is looked at
-            self._claim = RunClaim(RunDir(AppState().log_dir))
+            self._claim = _claim(AppState().log_dir)
         data = trainer.datamodule
         self._check_start(trainer, pl_module, data)
         if pl_module.config.vocab_size:
