@@ -385,22 +385,24 @@ def test_nemo_export_refuses_weights_that_disagree_with_the_checkpoint_config(ll
     assert "strict" not in str(refused.value) and not (tmp_path / "hf-again").exists()
 
 
-def test_checkpoints_that_name_the_old_mixin_module_still_load(nemo_run_dir, tmp_path):
+def test_checkpoints_that_name_the_old_mixin_module_still_load(llm, tmp_path):
     """Contexts saved before the mixin moved to nemo_anchor.training.mixin name nemo_anchor.nemo.mixin for the
-    functions a config holds (layer spec, data step); NeMo still rebuilds the same config from them."""
-    import shutil
-
+    functions a config holds (here the layer spec); NeMo still rebuilds the same config from them."""
+    from nemo import lightning as nl
     from nemo.lightning import io
+    from nemo.lightning.io.pl import TrainerContext
 
-    model, _, checkpoint = nemo_run_dir
-    old = tmp_path / "step=1"
-    shutil.copytree(checkpoint / "context", old / "context")
-    context = old / "context" / "io.json"
+    from nemo_anchor.nemo.config import AnchorLlamaConfig
+    from nemo_anchor.nemo.models import AnchorLlamaModel
+    from nemo_anchor.training.mixin import anchor_layer_spec
+
+    model = AnchorLlamaModel(tiny(AnchorLlamaConfig, transformer_layer_spec=anchor_layer_spec))
+    TrainerContext(model=model, trainer=nl.Trainer(accelerator="cpu", devices=1), extra={}).io_dump(
+        tmp_path / "context", yaml_attrs=["model"])
+    context = tmp_path / "context" / "io.json"
     text = context.read_text()
-    assert "nemo_anchor.training.mixin" in text
+    assert '"module": "nemo_anchor.training.mixin", "name": "anchor_layer_spec"' in text
     context.write_text(text.replace("nemo_anchor.training.mixin", "nemo_anchor.nemo.mixin"))
-    config = io.load_context(str(old), subpath="model.config")
-    expected = io.load_context(str(checkpoint), subpath="model.config")
-    assert config.transformer_layer_spec is expected.transformer_layer_spec
-    assert config.data_step_fn.func is expected.data_step_fn.func
+    config = io.load_context(str(tmp_path), subpath="model.config")
+    assert config.transformer_layer_spec is anchor_layer_spec
     assert (config.num_layers, config.attention_type) == (model.config.num_layers, model.config.attention_type)
