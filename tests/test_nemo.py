@@ -406,3 +406,29 @@ def test_checkpoints_that_name_the_old_mixin_module_still_load(llm, tmp_path):
     config = io.load_context(str(tmp_path), subpath="model.config")
     assert config.transformer_layer_spec is anchor_layer_spec
     assert (config.num_layers, config.attention_type) == (model.config.num_layers, model.config.attention_type)
+
+
+@pytest.mark.parametrize("where", ["log_dir", "explicit_log_dir"])
+def test_a_refused_run_writes_nothing_into_the_holders_log_directory(llm, tmp_path, where):
+    """NeMo's logger setup opens its log files and writes task.json in the log directory; the lock comes first, so
+    a run refused while another holds the directory leaves every file there as it was."""
+    from nemo import lightning as nl
+
+    from nemo_anchor.nemo.run_guard import AnchorNeMoLogger
+    from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse
+
+    held = tmp_path / "runs" / "anchor"
+    holder = RunClaim(RunDir(held))
+    try:
+        (held / "nemo_log_globalrank-0_localrank-0.txt").write_text("the holder's log\n")
+        (held / "task.json").write_text("{}")
+        before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in held.iterdir()}
+        options = {"log_dir": {"log_dir": str(tmp_path / "runs"), "name": "anchor"},
+                   "explicit_log_dir": {"explicit_log_dir": str(held)}}[where]
+        logger = AnchorNeMoLogger(**options, tensorboard=None, ckpt=None)
+        trainer = nl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+        with pytest.raises(RunDirInUse, match="is in use by another training run"):
+            logger.setup(trainer, resume_if_exists=True, task_config=object())
+        assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in held.iterdir()} == before
+    finally:
+        holder.release(failed=False)

@@ -11,8 +11,8 @@
   ``recipe.trainer.callbacks[1].allow_change = ["optim.lr"]``, or on NeMo-Run's command line as
   ``'trainer.callbacks[1].allow_change=["optim.lr"]'``.
 - :class:`AnchorNeMoLogger`: NeMo's logger, taking that lock on the log directory before NeMo writes into
-  it (its ``task.json``, with ``"w"``, and its log files), so a refused run leaves the holder's files as
-  they were; the guard then holds the same claim.
+  it (its log files, and ``task.json`` with ``"w"``), so a refused run leaves the holder's files as they
+  were; the guard then holds the same claim.
 - :class:`AnchorPreemption`: NeMo's ``PreemptionCallback`` on SIGTERM, SIGINT and SIGUSR1 (Slurm's
   ``--signal=USR1@120``): the step in progress finishes, the last checkpoint is saved and the
   process exits with ``nemo-anchor train``'s status 75, so the same command resumes.
@@ -26,6 +26,7 @@ Our names for NeMo's settings (what the comparison and the messages use)::
 """
 
 import contextlib
+import os
 import signal
 import threading
 from pathlib import Path
@@ -81,20 +82,34 @@ def _claim(log_dir) -> RunClaim:
 class AnchorNeMoLogger(nl.NeMoLogger):
     """NeMo's ``NeMoLogger``, with the run's lock on its log directory taken before NeMo writes there.
 
-    NeMo's ``setup`` writes ``task.json`` (mode ``"w"``) and opens its log files in the directory it
-    picks; here ``setup`` picks it without the task config, claims it on global rank 0 (refused: the run
-    stops, the directory untouched), and only then writes the task config.
+    NeMo's ``setup`` creates the directory, opens its log files there (every rank) and, given a task
+    config, writes ``task.json`` with ``"w"``. Here global rank 0 claims the directory first, so a run
+    refused while another holds it stops with the holder's files as they were. The directory is the one
+    NeMo's ``setup`` picks (nemo/lightning/nemo_logger.py:100-150): ``explicit_log_dir``, else
+    ``log_dir/name/version``; a run NeMo gives a new date-time version to needs no claim until the guard's.
     """
 
     def setup(self, trainer, resume_if_exists: bool = False, task_config=None):
-        app_state = super().setup(trainer, resume_if_exists=resume_if_exists, task_config=None)
-        if trainer.global_rank == 0:
-            path = Path(app_state.log_dir).resolve()
-            if path not in _CLAIMS:
-                _CLAIMS[path] = RunClaim(RunDir(path))
-            if task_config is not None:
-                self._handle_task_config(task_config, path)
+        directory = self._reused_directory(resume_if_exists)
+        if directory is not None and trainer.global_rank == 0 and directory not in _CLAIMS:
+            _CLAIMS[directory] = RunClaim(RunDir(directory))
+        app_state = super().setup(trainer, resume_if_exists=resume_if_exists, task_config=task_config)
+        if directory is not None and Path(app_state.log_dir).resolve() != directory:
+            raise RuntimeError(f"NeMoLogger chose {app_state.log_dir}, not {directory}: this NeMo picks its log "
+                               f"directory differently from nemo_anchor.nemo.run_guard.AnchorNeMoLogger")
         return app_state
+
+    def _reused_directory(self, resume_if_exists: bool) -> Optional[Path]:
+        """The directory NeMo will log into when another run could hold it too, or None (a new date-time version)."""
+        from nemo.constants import NEMO_ENV_VARNAME_VERSION
+
+        if self.explicit_log_dir:
+            return Path(self.explicit_log_dir).resolve()
+        version = self.version or os.environ.get(NEMO_ENV_VARNAME_VERSION)
+        if not version and not resume_if_exists and self.use_datetime_version:
+            return None
+        root = Path(self.log_dir) if self.log_dir is not None else Path.cwd() / "nemo_experiments"
+        return (root / str(self.name or "default") / (str(version) if version else "")).resolve()
 
 
 def _checkpoint_dir(path) -> Path:
