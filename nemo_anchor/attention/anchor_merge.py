@@ -20,13 +20,13 @@ its probability ``exp(s - lse)``. Extra work and memory: one key per query (``s`
 recomputed in the backward, never saved), in chunks of rows so no ``[Tq, Hq, D]`` fp32 temporary is
 made at once.
 
-A kernel is two functions over one :class:`~nemo_anchor.attention.layout.VarlenPlan`:
-``forward(q, k, v, plan, scale) -> (out, lse)`` with ``lse`` fp32 ``[Hq, Tq]`` (FlashAttention's
-varlen layout), and ``backward(dout, q, k, v, out, lse, plan, scale) -> (dq, dk, dv)``. Every
-FlashAttention generation has both: torch's FlashAttention-2 (``aten._flash_attention_backward``),
-flash-attn 2, 3 and 4 (the backward their own autograd calls), so ``torch_varlen``, ``flash``,
-``fa3`` and ``fa4`` all merge the anchor here; they read k and v through :func:`plan_keys` and
-return key gradients through :func:`plan_key_grad`.
+A kernel is two functions over one :class:`~nemo_anchor.attention.layout.VarlenPlan`, given the
+plan's key and value rows (``k[plan.kv_rows]``, a view): ``forward(q, keys, values, plan, scale) ->
+(out, lse)`` with ``lse`` fp32 ``[Hq, Tq]`` (FlashAttention's varlen layout), and ``backward(dout,
+q, keys, values, out, lse, plan, scale) -> (dq, dkeys, dvalues)``. Every FlashAttention generation
+has both: torch's FlashAttention-2 (``aten._flash_attention_backward``), flash-attn 2, 3 and 4 (the
+backward their own autograd calls), so ``torch_varlen``, ``flash``, ``fa3`` and ``fa4`` all merge
+the anchor here.
 """
 from __future__ import annotations
 
@@ -74,14 +74,14 @@ def split_anchor(blocks: tuple[QueryBlock, ...], device: torch.device) -> tuple[
     return varlen_plan(plain, device), tuple(runs)
 
 
-def plan_keys(x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+def _plan_keys(x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
     """The key (or value) rows the plan's sequences read: a view for a slice; a gather only after a
     BOS-only document (see :class:`~nemo_anchor.attention.layout.VarlenPlan`)."""
     return x[plan.kv_rows]
 
 
-def plan_key_grad(grad: torch.Tensor, like: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
-    """The gradient of ``plan_keys(like, plan)`` as a gradient of ``like``."""
+def _plan_key_grad(grad: torch.Tensor, like: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+    """The gradient of ``_plan_keys(like, plan)`` as a gradient of ``like``."""
     rows = plan.kv_rows
     if isinstance(rows, slice) and rows == slice(0, like.shape[0]):
         return grad
@@ -126,7 +126,7 @@ def _chunks(runs: tuple[_Run, ...]):
 class _AnchorMerged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kernel, plan, runs, scale):
-        out, lse = kernel.forward(q, k, v, plan, scale)  # lse: fp32 [Hq, Tq]
+        out, lse = kernel.forward(q, _plan_keys(k, plan), _plan_keys(v, plan), plan, scale)  # lse: fp32 [Hq, Tq]
         kv_heads = k.shape[1]
         for rows, anchor in _chunks(runs):
             s = _anchor_scores(q[rows], k[anchor], scale)  # [n, Hq]
@@ -145,7 +145,10 @@ class _AnchorMerged(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dq, dk, dv = ctx.kernel.backward(grad_out, q, k, v, out, lse, ctx.plan, ctx.scale)
+        plan = ctx.plan
+        dq, dk, dv = ctx.kernel.backward(grad_out, q, _plan_keys(k, plan), _plan_keys(v, plan), out, lse, plan,
+                                         ctx.scale)
+        dk, dv = _plan_key_grad(dk, k, plan), _plan_key_grad(dv, v, plan)
         kv_heads, scale = k.shape[1], ctx.scale
         anchor_dk: dict[int, torch.Tensor] = {}
         anchor_dv: dict[int, torch.Tensor] = {}

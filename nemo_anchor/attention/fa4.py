@@ -24,25 +24,22 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
             or gpu.flash_attn_4_backward()[1])
 
 
-def _call(q, k, v, plan, scale, **options):
+def _call(q, keys, values, plan, scale, **options):
     kernel, _ = gpu.flash_attn_4_varlen_func()
-    return kernel(q, anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan),
-                  cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
-                  max_seqlen_k=plan.max_seqlen_k, softmax_scale=scale, causal=True, **options)
+    return kernel(q, keys, values, cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+                  max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, softmax_scale=scale, causal=True,
+                  **options)
 
 
-def _documents_forward(q, k, v, plan, scale):
-    out, lse = _call(q, k, v, plan, scale, return_lse=True)
+def _documents_forward(q, keys, values, plan, scale):
+    out, lse = _call(q, keys, values, plan, scale, return_lse=True)
     return out, lse
 
 
-def _documents_backward(dout, q, k, v, out, lse, plan, scale):
+def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
     backward, _ = gpu.flash_attn_4_backward()
-    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
-    dq, dk, dv = backward(q, keys, values, out, dout, lse, scale, True,
-                          cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-                          max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)
-    return dq, anchor_merge.plan_key_grad(dk, k, plan), anchor_merge.plan_key_grad(dv, v, plan)
+    return backward(q, keys, values, out, dout, lse, scale, True, cu_seqlens_q=plan.cu_seqlens_q,
+                    cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)
 
 
 KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
@@ -51,5 +48,6 @@ KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
 def attention(q, k, v, blocks, q_offset, scale):
     if anchor_merge.has_anchor(blocks):
         return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
-    out = _call(q, k, v, varlen_plan(blocks, q.device), scale)
+    plan = varlen_plan(blocks, q.device)  # no anchors: kv_rows slices k and v
+    out = _call(q, k[plan.kv_rows], v[plan.kv_rows], plan, scale)
     return out[0] if isinstance(out, tuple) else out  # (out, lse) in the 4.0 betas

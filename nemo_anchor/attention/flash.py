@@ -26,23 +26,21 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
             or gpu.flash_attn_varlen_backward()[1])
 
 
-def _documents_forward(q, k, v, plan, scale):
+def _documents_forward(q, keys, values, plan, scale):
     kernel, _ = gpu.flash_attn_varlen_func()
-    out, lse, _ = kernel(q, anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan),
-                         cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+    out, lse, _ = kernel(q, keys, values, cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
                          max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
                          dropout_p=0.0, softmax_scale=scale, causal=True, return_attn_probs=True)
     return out, lse
 
 
-def _documents_backward(dout, q, k, v, out, lse, plan, scale):
+def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
     backward, _ = gpu.flash_attn_varlen_backward()
-    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
     # dropout 0, causal, no window, softcap or ALiBi, not deterministic, no random state: as the public call
     backward(dout, q, keys, values, out, lse, dq, dk, dv, plan.cu_seqlens_q, plan.cu_seqlens_k,
              plan.max_seqlen_q, plan.max_seqlen_k, 0.0, scale, True, -1, -1, 0.0, None, False, None)
-    return dq, anchor_merge.plan_key_grad(dk, k, plan), anchor_merge.plan_key_grad(dv, v, plan)
+    return dq, dk, dv
 
 
 KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)

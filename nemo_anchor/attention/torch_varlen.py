@@ -72,23 +72,19 @@ def kernel_arguments(kernel: Callable[..., Any], scale: float, head_dim: int, gr
     return keywords, factor
 
 
-def _documents_forward(q, k, v, plan, scale):
+def _documents_forward(q, keys, values, plan, scale):
     forward, _ = gpu.torch_flash_attention_ops()[0]
-    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
     out, lse, *_ = forward(q, keys, values, plan.cu_seqlens_q, plan.cu_seqlens_k,
                            plan.max_seqlen_q, plan.max_seqlen_k, 0.0, True, False, scale=scale)
     return out, lse
 
 
-def _documents_backward(dout, q, k, v, out, lse, plan, scale):
+def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
     _, backward = gpu.torch_flash_attention_ops()[0]
     # no dropout: the random state is unused, passed as torch's varlen_attn passes it
     rng_state, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
-    keys, values = anchor_merge.plan_keys(k, plan), anchor_merge.plan_keys(v, plan)
-    dq, dk, dv = backward(dout, q, keys, values, out, lse, plan.cu_seqlens_q,
-                          plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, 0.0, True, rng_state, unused,
-                          scale=scale)
-    return dq, anchor_merge.plan_key_grad(dk, k, plan), anchor_merge.plan_key_grad(dv, v, plan)
+    return backward(dout, q, keys, values, out, lse, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
+                    plan.max_seqlen_k, 0.0, True, rng_state, unused, scale=scale)
 
 
 KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
