@@ -45,8 +45,20 @@ _CHUNK = 2048
 
 @dataclass(frozen=True)
 class VarlenKernel:
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    """A varlen kernel's three calls over a plan's key rows (see the module docstring): ``attention`` is the
+    backend's ``attention(q, k, v, blocks, q_offset, scale)``."""
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, keys, values, plan, scale) -> (out, lse)
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    differentiable: Callable[..., torch.Tensor]  # (q, keys, values, plan, scale) -> out, its library's autograd
+
+    def attention(self, q, k, v, blocks, q_offset, scale):
+        if not has_anchor(blocks):  # every sequence's keys are a range of k/v: a view
+            plan = varlen_plan(blocks, q.device)
+            return self.differentiable(q, _plan_keys(k, plan), _plan_keys(v, plan), plan, scale)
+        plan, runs = split_anchor(blocks, q.device)
+        runs = tuple(_Run(r.start - q_offset, r.end - q_offset, r.anchor) for r in runs)
+        return _AnchorMerged.apply(q, k, v, self, plan, runs, scale)
 
 
 @dataclass(frozen=True)
@@ -95,13 +107,6 @@ def _plan_key_grad(grad: torch.Tensor, like: torch.Tensor, plan: VarlenPlan) -> 
 
 def has_anchor(blocks: tuple[QueryBlock, ...]) -> bool:
     return any(b.anchor is not None for b in blocks)
-
-
-def attention(kernel: VarlenKernel, q, k, v, blocks, q_offset, scale):
-    """``anchor_attention`` over ``blocks`` through ``kernel`` with the anchors merged (see the module docstring)."""
-    plan, runs = split_anchor(blocks, q.device)
-    runs = tuple(_Run(r.start - q_offset, r.end - q_offset, r.anchor) for r in runs)
-    return _AnchorMerged.apply(q, k, v, kernel, plan, runs, scale)
 
 
 def _anchor_scores(q: torch.Tensor, k_anchor: torch.Tensor, scale: float) -> torch.Tensor:

@@ -15,7 +15,6 @@ import torch
 
 from nemo_anchor import gpu
 from nemo_anchor.attention import anchor_merge, requirements
-from nemo_anchor.attention.layout import varlen_plan
 
 
 
@@ -45,12 +44,9 @@ def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
     return dq, dk, dv
 
 
-KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
-
-
-def attention(q, k, v, blocks, q_offset, scale):
-    if anchor_merge.has_anchor(blocks):
-        return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
-    plan = varlen_plan(blocks, q.device)  # no anchors: kv_rows slices k and v
-    out = _call(q, k[plan.kv_rows], v[plan.kv_rows], plan, scale)
+def _documents(q, keys, values, plan, scale):
+    out = _call(q, keys, values, plan, scale)
     return out[0] if isinstance(out, tuple) else out  # some releases return (out, softmax_lse)
+
+
+attention = anchor_merge.VarlenKernel(_documents_forward, _documents_backward, _documents).attention

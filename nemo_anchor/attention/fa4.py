@@ -14,7 +14,6 @@ import torch
 
 from nemo_anchor import gpu
 from nemo_anchor.attention import anchor_merge, requirements
-from nemo_anchor.attention.layout import varlen_plan
 
 
 
@@ -42,12 +41,9 @@ def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
                     cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)
 
 
-KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
-
-
-def attention(q, k, v, blocks, q_offset, scale):
-    if anchor_merge.has_anchor(blocks):
-        return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
-    plan = varlen_plan(blocks, q.device)  # no anchors: kv_rows slices k and v
-    out = _call(q, k[plan.kv_rows], v[plan.kv_rows], plan, scale)
+def _documents(q, keys, values, plan, scale):
+    out = _call(q, keys, values, plan, scale)
     return out[0] if isinstance(out, tuple) else out  # (out, lse) in the 4.0 betas
+
+
+attention = anchor_merge.VarlenKernel(_documents_forward, _documents_backward, _documents).attention

@@ -17,7 +17,6 @@ import torch
 
 from nemo_anchor import gpu
 from nemo_anchor.attention import anchor_merge, requirements
-from nemo_anchor.attention.layout import varlen_plan
 
 
 
@@ -43,17 +42,11 @@ def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
     return dq, dk, dv
 
 
-KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
+def _documents(q, keys, values, plan, scale):
+    kernel, _ = gpu.flash_attn_varlen_func()
+    return kernel(q, keys, values, cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+                  max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
+                  dropout_p=0.0, softmax_scale=scale, causal=True)
 
 
-def attention(q, k, v, blocks, q_offset, scale):
-    if anchor_merge.has_anchor(blocks):
-        return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
-    flash_attn_varlen_func, _ = gpu.flash_attn_varlen_func()
-    plan = varlen_plan(blocks, q.device)
-    return flash_attn_varlen_func(
-        q, k[plan.kv_rows], v[plan.kv_rows],
-        cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-        max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
-        dropout_p=0.0, softmax_scale=scale, causal=True,
-    )
+attention = anchor_merge.VarlenKernel(_documents_forward, _documents_backward, _documents).attention

@@ -30,7 +30,6 @@ import torch
 
 from nemo_anchor import gpu
 from nemo_anchor.attention import anchor_merge, requirements
-from nemo_anchor.attention.layout import varlen_plan
 
 
 
@@ -87,18 +86,13 @@ def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
                     plan.max_seqlen_k, 0.0, True, rng_state, unused, scale=scale)
 
 
-KERNEL = anchor_merge.VarlenKernel(_documents_forward, _documents_backward)
-
-
-def attention(q, k, v, blocks, q_offset, scale):
-    if anchor_merge.has_anchor(blocks):
-        return anchor_merge.attention(KERNEL, q, k, v, blocks, q_offset, scale)
+def _documents(q, keys, values, plan, scale):
     kernel, _ = gpu.torch_varlen_attn()
-    plan = varlen_plan(blocks, q.device)  # no anchors: kv_rows slices k and v
-    keywords, factor = kernel_arguments(kernel, scale, q.shape[-1], q.shape[1] != k.shape[1])
+    keywords, factor = kernel_arguments(kernel, scale, q.shape[-1], q.shape[1] != keys.shape[1])
     if factor != 1.0:
         q = q * factor
-    return kernel(
-        q, k[plan.kv_rows], v[plan.kv_rows], plan.cu_seqlens_q, plan.cu_seqlens_k,
-        plan.max_seqlen_q, plan.max_seqlen_k, **keywords,
-    )
+    return kernel(q, keys, values, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
+                  **keywords)
+
+
+attention = anchor_merge.VarlenKernel(_documents_forward, _documents_backward, _documents).attention
