@@ -432,3 +432,24 @@ def test_a_refused_run_writes_nothing_into_the_holders_log_directory(llm, tmp_pa
         assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in held.iterdir()} == before
     finally:
         holder.release(failed=False)
+
+
+def test_the_logger_holds_the_lock_where_other_runs_look_for_it(llm, tmp_path):
+    """NeMo moves the files it finds in a log directory into run_N/ when training starts; the lock the logger
+    took there is not among them."""
+    from nemo import lightning as nl
+
+    from nemo_anchor.nemo import run_guard
+    from nemo_anchor.run_dir import LOCK_FILE
+
+    directory = tmp_path / "runs" / "anchor"
+    directory.mkdir(parents=True)
+    (directory / "nemo_log_globalrank-0_localrank-0.txt").write_text("an earlier run's log\n")
+    logger = run_guard.AnchorNeMoLogger(log_dir=str(tmp_path / "runs"), name="anchor", tensorboard=None, ckpt=None)
+    trainer = nl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    app_state = logger.setup(trainer, resume_if_exists=True)
+    try:
+        assert (directory / LOCK_FILE).is_file()
+        assert [Path(f).name for f in app_state.files_to_move] == ["nemo_log_globalrank-0_localrank-0.txt"]
+    finally:
+        run_guard._claim(app_state.log_dir).release(failed=False)

@@ -39,7 +39,7 @@ from nemo.lightning.pytorch.callbacks import PreemptionCallback
 
 from nemo_anchor.data.tokenizer import check_same_tokenizer, load_tokenizer
 from nemo_anchor.convert.sources import check_nemo2_weights, nemo2_tokenizer_dir
-from nemo_anchor.run_dir import RunClaim, RunDir
+from nemo_anchor.run_dir import LOCK_FILE, RunClaim, RunDir
 from nemo_anchor.training import resume
 from nemo_anchor.training.preemption import EXIT_INTERRUPTED, STOP_SIGNALS
 
@@ -97,6 +97,9 @@ class AnchorNeMoLogger(nl.NeMoLogger):
         if directory is not None and Path(app_state.log_dir).resolve() != directory:
             raise RuntimeError(f"NeMoLogger chose {app_state.log_dir}, not {directory}: this NeMo picks its log "
                                f"directory differently from nemo_anchor.nemo.run_guard.AnchorNeMoLogger")
+        # NeMo's checkpoint callback moves the files it found here into run_N/ (model_checkpoint.py:154-167):
+        # the lock stays where other runs look for it
+        app_state.files_to_move = [f for f in app_state.files_to_move if Path(f).name != LOCK_FILE]
         return app_state
 
     def _reused_directory(self, resume_if_exists: bool) -> Optional[Path]:
