@@ -135,9 +135,11 @@ def test_nemo2_checkpoint_exports_to_transformers(nemo_run_dir):
         assert (hf(tokens).logits - ours).abs().max() <= 1e-4
 
 
-def test_nemo2_export_drops_the_rows_nemo_pads_the_vocabulary_with(nemo_run_dir, tmp_path):
+@pytest.mark.parametrize("vocab_from", ["config", "tokenizer"])
+def test_nemo2_export_drops_the_rows_nemo_pads_the_vocabulary_with(nemo_run_dir, tmp_path, vocab_from):
     """NeMo pads the embedding and output layer (make_vocab_size_divisible_by x TP rows); the HF model gets the
-    config's vocab_size rows, as NeMo's own exporters give it, and the same logits."""
+    config's vocab_size rows (or, with vocab_size null, the tokenizer's, which NeMo padded), as NeMo's own
+    exporters give it, and the same logits."""
     import shutil
 
     import transformers
@@ -151,6 +153,10 @@ def test_nemo2_export_drops_the_rows_nemo_pads_the_vocabulary_with(nemo_run_dir,
     vocab = model.config.vocab_size
     padded = tmp_path / "padded" / "step=1"
     shutil.copytree(checkpoint / "context", padded / "context")
+    if vocab_from == "tokenizer":
+        model_yaml = padded / "context" / "model.yaml"
+        assert f"  vocab_size: {vocab}\n" in model_yaml.read_text()
+        model_yaml.write_text(model_yaml.read_text().replace(f"  vocab_size: {vocab}\n", "  vocab_size: null\n"))
     tensors = read_dist_checkpoint(checkpoint / "weights", prefix="module.")
     rows = {"embedding.word_embeddings.weight", "output_layer.weight"}
     tensors = {key: torch.cat([t, torch.randn(384 - vocab, t.shape[1])]) if key in rows else t

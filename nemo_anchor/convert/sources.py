@@ -124,8 +124,14 @@ def _read_nemo2(path: Path) -> LoadedCheckpoint:
     config = model_config_from_megatron(nemo["config"], source=str(model_yaml))
     tensors = read_dist_checkpoint(path / "weights", prefix="module.")
     state = canonical_state(tensors, config.num_layers, source=str(path / "weights"))
-    state = _without_vocab_padding(state, config.vocab_size, source=str(path / "weights"))
-    return _checked(path, NEMO2, config, state, _nemo2_tokenizer_dir(path / "context", nemo.get("tokenizer")))
+    tokenizer_dir = _nemo2_tokenizer_dir(path / "context", nemo.get("tokenizer"))
+    vocab_size = config.vocab_size
+    if vocab_size is None and tokenizer_dir is not None:  # NeMo padded the tokenizer's len() (base.py:380)
+        from nemo_anchor.data.tokenizer import load_tokenizer
+
+        vocab_size = load_tokenizer(tokenizer_dir).vocab_size
+    state = _without_vocab_padding(state, vocab_size, source=str(path / "weights"))
+    return _checked(path, NEMO2, config, state, tokenizer_dir)
 
 
 _VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -133,9 +139,9 @@ _VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def _without_vocab_padding(state: dict, vocab_size: Optional[int], *, source: str) -> dict:
     """The state with the rows NeMo pads the vocabulary with (to ``make_vocab_size_divisible_by`` x tensor
-    parallel) dropped, so the model has its tokenizer's ``vocab_size`` rows, as NeMo's own HF exporters
-    give it (``TransformFns.prune_padding``). ValueError when a tensor has fewer rows than the vocabulary."""
-    if vocab_size is None:  # no vocab_size in the config: the rows are the vocabulary
+    parallel) dropped, so the model has ``vocab_size`` rows (the config's, else its tokenizer's), as NeMo's
+    own HF exporters give it (``TransformFns.prune_padding``). ValueError when a tensor has fewer rows."""
+    if vocab_size is None:  # neither the config nor a tokenizer says: the rows are the vocabulary
         return state
     for key in _VOCAB_ROWS:
         rows = state[key].shape[0] if key in state else vocab_size
