@@ -20,13 +20,14 @@ its probability ``exp(s - lse)``. Extra work and memory: one key per query (``s`
 recomputed in the backward, never saved), in chunks of rows so no ``[Tq, Hq, D]`` fp32 temporary is
 made at once.
 
-A kernel is two functions over one :class:`~nemo_anchor.attention.layout.VarlenPlan`, given the
-plan's key and value rows (``k[plan.kv_rows]``, a view): ``forward(q, keys, values, plan, scale) ->
-(out, lse)`` with ``lse`` fp32 ``[Hq, Tq]`` (FlashAttention's varlen layout), and ``backward(dout,
-q, keys, values, out, lse, plan, scale) -> (dq, dkeys, dvalues)``. Every FlashAttention generation
-has both: torch's FlashAttention-2 (``aten._flash_attention_backward``), flash-attn 2, 3 and 4 (the
-backward their own autograd calls), so ``torch_varlen``, ``flash``, ``fa3`` and ``fa4`` all merge
-the anchor here.
+A :class:`VarlenKernel` is three calls of one library over a
+:class:`~nemo_anchor.attention.layout.VarlenPlan`, given the plan's key and value rows
+(``k[plan.kv_rows]``, a view): ``forward(q, keys, values, plan, scale) -> (out, lse)`` with ``lse``
+fp32 ``[Hq, Tq]`` (FlashAttention's varlen layout), ``backward(dout, q, keys, values, out, lse,
+plan, scale) -> (dq, dkeys, dvalues)``, and, for blocks without anchors, the plain call through the
+library's own autograd. Every FlashAttention generation has the first two: torch's FlashAttention-2
+(``aten._flash_attention_backward``), flash-attn 2, 3 and 4 (the backward their own autograd calls),
+so ``torch_varlen``, ``flash``, ``fa3`` and ``fa4`` all merge the anchor here.
 """
 from __future__ import annotations
 
