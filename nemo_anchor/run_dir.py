@@ -185,8 +185,8 @@ def scheduler_job() -> tuple[str | None, int | None]:
     """(the scheduler job this process runs in, how often it was restarted), or (None, None).
 
     Slurm's ``SLURM_JOB_ID`` is kept when a job is requeued (``SLURM_RESTART_COUNT`` counts the
-    restarts); otherwise torchrun's ``TORCHELASTIC_RUN_ID`` (``--rdzv-id``; "none", torchrun's default,
-    names no job) and ``TORCHELASTIC_RESTART_COUNT``.
+    restarts; Slurm sets it from the first requeue on); otherwise torchrun's ``TORCHELASTIC_RUN_ID``
+    (``--rdzv-id``; "none", torchrun's default, names no job) and ``TORCHELASTIC_RESTART_COUNT``.
     """
     for job_var, restart_var, scheduler in (("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "slurm"),
                                             ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "torchelastic")):
@@ -197,38 +197,58 @@ def scheduler_job() -> tuple[str | None, int | None]:
     return None, None
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _number(value) -> float | None:
+    """``value`` as a finite number, or None (JSON's true/false are no numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        return None
+    return float(value)
+
+
 class RunLease:
     """One writer per run directory: a lease file naming the holder, renewed while the holder runs.
 
     The holder is named by its host, pid and the pid's start time (:func:`~nemo_anchor.atomic.process_start_time`),
     and by its scheduler job (:func:`scheduler_job`). Rank 0 renews the lease every ``renew_s``
-    (``NEMO_ANCHOR_LEASE_RENEW_S``, 30 s), in a daemon thread (:meth:`start_renewing`). Another run takes it over
+    (``NEMO_ANCHOR_LEASE_RENEW_S``, 30 s) in a daemon thread (:meth:`start_renewing`); each renewal
+    counts up ``renewals``. Another run takes it over
 
     - at once when the holder was a process of this host that is gone: no process with its pid, or
       one that started at another time (the pid was reused, or a container restarted under the
       same hostname gave this run the holder's pid);
-    - at once when the holder ran in this run's scheduler job, on another host: the job was requeued
-      (the scheduler ended the old one first). Two restarts of the same number of one job are two
-      live steps of it, not a requeue;
-    - from any host, when the lease was not renewed for ``timeout_s`` (``NEMO_ANCHOR_LEASE_TIMEOUT_S``,
-      300 s; the holder's own setting counts). The hosts' clocks must agree to well within that.
+    - at once when the holder ran in this run's scheduler job and the job was restarted since: both
+      runs have a restart count and they differ (Slurm sets ``SLURM_RESTART_COUNT`` from the first
+      requeue on, so a holder without one counts as restart 0 of a job this run has a count for);
+      two steps of one job with the same count, or none, are two live runs, not a requeue;
+    - from any host, when this run watched the lease for ``timeout_s`` (``NEMO_ANCHOR_LEASE_TIMEOUT_S``,
+      300 s; the holder's own setting counts) by its own monotonic clock and it did not change. No
+      decision compares two hosts' clocks: a live holder renews within ``renew_s`` and is refused
+      then; the ``renewed`` time it records is for people.
 
     Otherwise the run is refused naming the holder's host, pid and job. A live process of this host
-    is never taken over, whatever its lease says.
+    is never taken over, whatever its lease says. A malformed field of a lease (a pid that is no
+    number, a renewal ahead of this host's clock) is named in one line and the lease is judged by
+    whether it changes.
 
     The lease is taken with an exclusive create (``O_CREAT | O_EXCL``), so of two runs starting at
     once exactly one gets it. Only the holder of the companion ``.break`` file (also an exclusive
     create) removes or rewrites a lease, after checking it is still the one it judged: of several
-    runs finding a stale lease at once one removes it and one takes it, and a renewal never
-    overwrites a lease taken over meanwhile.
+    runs finding a stale lease at once one removes it and one takes it. A renewal only rewrites the
+    holder's own lease: one that is gone or another run's means the lease was lost (:attr:`lost`),
+    and so does a renewal that fails for longer than the lease could be judged stale elsewhere.
+    :meth:`held` reads the lease file now: a writer calls it before each write.
 
     As a context manager (for a Lightning callback or a Bridge hook, rank 0 only)::
 
-        with RunLease(Path(log_dir) / LOCK_FILE):   # acquire, renew in the background
-            train()                                  # RunDirInUse raised on entry when held
+        with RunLease(Path(log_dir) / LOCK_FILE) as lease:  # acquire, renew in the background
+            train()                                          # RunDirInUse raised on entry when held
+            if not lease.held(): stop()                      # before each save
     """
 
-    BREAK_STALE_S = 5.0  # a .break lock older than this was left by a run that died while breaking
+    BREAK_STALE_S = 5.0  # a .break unchanged this long (by this host's clock) was left by a run that died breaking
 
     def __init__(self, path: str | os.PathLike, renew_s: float | None = None, timeout_s: float | None = None):
         self.path = Path(path)
@@ -239,9 +259,11 @@ class RunLease:
         self.renew_s, self.timeout_s = renew_s, timeout_s
         self.record: dict | None = None
         self.took_over: str | None = None  # why the previous holder's lease was taken over, if it was
-        self.lost = threading.Event()  # set when another run took the lease over (this one stopped renewing)
+        self.lost = threading.Event()  # set when this run no longer holds its lease (it stopped renewing)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self._renewed_at = time.monotonic()  # this host's clock at the last renewal that was written
+        self._break_seen: tuple[tuple, float] | None = None  # a .break another run holds, and since when
 
     def __enter__(self) -> "RunLease":
         self.acquire()
@@ -251,57 +273,122 @@ class RunLease:
     def __exit__(self, *exc) -> None:
         self.release()
 
+    # ---------------------------------------------------------------- taking the lease
     def acquire(self, wait_s: float = 10.0) -> None:
-        """Take the lease or raise :class:`RunDirInUse`."""
+        """Take the lease or raise :class:`RunDirInUse`. A holder that can be judged only by its renewals is
+        watched (one line says so) for up to its timeout: refused as soon as it renews, taken over if it does not."""
         job, restart = scheduler_job()
         record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": process_start_time(os.getpid()),
                   "job": job, "restart": restart, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                  "renewed": time.time(), "timeout_s": self.timeout_s, "token": secrets.token_hex(8)}
+                  "renewed": time.time(), "renewals": 0, "renew_s": self.renew_s, "timeout_s": self.timeout_s,
+                  "token": secrets.token_hex(8)}
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        watched = None  # (the lease's bytes and file identity, the holder's key, when first seen, its timeout)
+        while True:
             record["renewed"] = time.time()
             if self._create(self.path, record):
-                self.record = record
+                self.record, self._renewed_at = record, time.monotonic()
                 return
-            holder = self._read(self.path)
-            if holder is not None:
-                why = self._takeover_reason(holder, job, restart)
-                if why is None:
-                    raise RunDirInUse(self._held_message(holder))
-                if self._break(holder):
+            seen = self._snapshot()
+            if seen is None:  # gone meanwhile: try again at once
+                watched = None
+                continue
+            holder, problems = self._parse(seen[0])
+            verdict, why = self._judge(holder, job, restart)
+            if verdict == "refuse":
+                raise RunDirInUse(self._held_message(holder))
+            if verdict == "take":
+                if self._break(seen[0]):
                     self.took_over = f"{self._describe(holder)}: {why}"
-            time.sleep(0.02)  # being written, or being broken by another run
-        raise RunDirInUse(f"output_dir {self.path.parent}: could not take {self.path} within {wait_s:g} s; if no "
-                          f"training run writes into this folder, remove {self.path}")
+                    watched = None
+            else:  # judged by its renewals, watched with this host's monotonic clock
+                key = self._key(holder)
+                if watched is None or watched[1] != key:
+                    timeout = _number((holder or {}).get("timeout_s")) or self.timeout_s
+                    watched = (seen, key, time.monotonic(), timeout, why)
+                    for problem in problems:
+                        _warn(problem)
+                    _warn(f"{self.path} is held by {self._describe(holder)} ({why}): watching whether it is renewed "
+                          f"within {timeout:g} s, its lease timeout, before taking it over")
+                elif seen != watched[0]:
+                    if key is not None:  # the same holder wrote it again: it is alive
+                        raise RunDirInUse(self._held_message(holder, renewed_while_watched=True))
+                    watched = None  # no holder to tell apart (an unreadable lease being written): judge it afresh
+                elif time.monotonic() - watched[2] >= watched[3]:
+                    waited = time.monotonic() - watched[2]
+                    if self._break(seen[0]):
+                        self.took_over = f"{self._describe(holder)}: {watched[4]}; not renewed while this run " \
+                                         f"watched it for {waited:.3g} s"
+                        watched = None
+                deadline = time.monotonic() + wait_s
+            if time.monotonic() >= deadline:
+                raise RunDirInUse(f"output_dir {self.path.parent}: could not take {self.path} within {wait_s:g} s; "
+                                  f"if no training run writes into this folder, remove {self.path}")
+            time.sleep(min(1.0, max(0.02, (watched[3] if watched else 1.0) / 50)))
 
+    def _judge(self, holder: dict | None, job: str | None, restart: int | None) -> tuple[str, str]:
+        """("take", why) when ``holder``'s lease may be taken over now, ("refuse", "") when it may not, or
+        ("watch", why) when only its renewals can tell."""
+        if holder is None or holder["host"] is None or holder["pid"] is None:
+            return "watch", "its record is malformed"
+        pid, pid_started = holder["pid"], holder["pid_started"]
+        if holder["host"] == socket.gethostname():
+            if pid == os.getpid() and pid_started is None:
+                return "take", "its pid is this run's own (it is gone)"  # a lease naming this very process has its start
+            if not process_alive(pid, pid_started):
+                gone = pid_started is None or not process_alive(pid)
+                return "take", "its process is gone" if gone else f"pid {pid} is another process now"
+            if pid_started is None:  # a lock from before start times were recorded: the pid may be anyone's now
+                return "watch", f"it records no start time for pid {pid}, which may be another process now"
+            return "refuse", ""
+        if job is not None and holder["job"] == job and restart is not None and restart != (holder["restart"] or 0):
+            return "take", f"its job {job} was requeued (restart {holder['restart'] or 0} -> {restart})"
+        if job is not None and holder["job"] == job:
+            return "watch", f"the same job {job} with the same restart count: another live step of it, or a dead one"
+        return "watch", "a process of another host"
+
+    # ---------------------------------------------------------------- keeping it
     def start_renewing(self) -> None:
         """Renew the lease every ``renew_s`` in a daemon thread until :meth:`release`."""
         self._stop.clear()
         self._renewer = threading.Thread(target=self._renew_loop, name="nemo-anchor-lease", daemon=True)
         self._renewer.start()
 
-    def renew(self) -> bool:
-        """Write the lease again with the time now; False when it is no longer this one's (taken over).
+    def held(self) -> bool:
+        """Whether this run still holds its lease, read from the file now: a writer asks before each write, so a
+        takeover is seen before the next one, not at the next renewal. A file system that does not answer leaves
+        the answer to the renewals."""
+        if self.lost.is_set() or self.record is None:
+            return False
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            self._lose(f"{self.path} was removed")
+            return False
+        except OSError:
+            return True
+        return self._still_mine(raw)
 
-        A file system that does not answer (OSError) leaves the lease as it was: renewed next time.
-        """
-        if self.record is None:
+    def renew(self) -> bool:
+        """Write the lease again; False when it is no longer this one's (removed, or taken over: :attr:`lost` is set).
+        A lease is never written again once gone. OSError when the file system does not answer."""
+        if self.record is None or self.lost.is_set():
             return False
         if not self._hold_break():
             return True  # another run judges the lease right now: it finds it fresh, or it was not ours
         try:
-            record = {**self.record, "renewed": time.time()}
-            current = self._read(self.path)
-            if current is None:  # removed by hand (the run is alive), or being created by a run that found it gone
-                if self._create(self.path, record):
-                    self.record = record
-                return True  # not created: whoever did is known at the next renewal
-            if current.get("token") != self.record["token"]:
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                self._lose(f"{self.path} was removed")
                 return False
+            if not self._still_mine(raw):
+                return False
+            record = {**self.record, "renewed": time.time(), "renewals": self.record.get("renewals", 0) + 1}
             staging = self.path.with_name(f"{self.path.name}.{self.record['token']}.tmp")
             staging.write_text(json.dumps(record))
             os.replace(staging, self.path)
-            self.record = record
+            self.record, self._renewed_at = record, time.monotonic()
             return True
         finally:
             self.break_path.unlink(missing_ok=True)
@@ -313,80 +400,76 @@ class RunLease:
             self._renewer.join()
             self._renewer = None
         if self.record is not None:
-            current = self._read(self.path)
-            if current is not None and current.get("token") == self.record["token"]:
-                self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                current, _ = self._parse(self.path.read_bytes())
+                if not self.lost.is_set() and current is not None and current["token"] == self.record["token"]:
+                    self.path.unlink(missing_ok=True)
         self.record = None
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.renew_s):
             try:
-                still_mine = self.renew()
+                if not self.renew():
+                    return
             except OSError as err:
-                print(f"warning: could not renew {self.path}: {err}; trying again in {self.renew_s:g} s",
-                      file=sys.stderr, flush=True)
-                continue
-            if not still_mine:
-                self.lost.set()
-                print(f"warning: {self.path} was taken over by another run ({self._describe(self._read(self.path))}"
-                      f"); this run no longer holds its output_dir", file=sys.stderr, flush=True)
+                # another host may take the lease over once it saw it unchanged for timeout_s: give it up first
+                unrenewed = time.monotonic() - self._renewed_at
+                if unrenewed + self.renew_s >= self.timeout_s:
+                    self._lose(f"it could not be renewed for {unrenewed:.0f} s ({err})")
+                    return
+                _warn(f"could not renew {self.path}: {err}; trying again in {self.renew_s:g} s")
+            except Exception as err:  # noqa: BLE001 - whatever stops the renewals loses the lease, said once
+                self._lose(f"renewing it failed: {type(err).__name__}: {err}")
                 return
 
-    def _takeover_reason(self, holder: dict, job: str | None, restart: int | None) -> str | None:
-        """Why ``holder``'s lease may be taken over now; None when it may not."""
-        pid, pid_started = int(holder["pid"]), holder.get("pid_started")
-        expired = self._age(holder) > float(holder.get("timeout_s") or self.timeout_s)
-        if holder["host"] == socket.gethostname():
-            if pid == os.getpid() and pid_started is None:
-                return "its pid is this run's own (it is gone)"  # a lease naming this very process carries its start
-            if not process_alive(pid, pid_started):
-                return "its process is gone" if pid_started is None or not process_alive(pid) else \
-                    f"pid {pid} is another process now"
-            if pid_started is None and expired:  # a lock from before start times were recorded
-                return f"not renewed for {self._age(holder):.0f} s, pid {pid} may be another process now"
-            return None
-        if job is not None and holder.get("job") == job and \
-                (restart is None or holder.get("restart") is None or restart != holder.get("restart")):
-            return f"its job {job} was requeued"
-        if expired:
-            return f"not renewed for {self._age(holder):.0f} s"
-        return None
+    def _still_mine(self, raw: bytes) -> bool:
+        current, _ = self._parse(raw)
+        if current is not None and current["token"] == self.record["token"]:
+            return True
+        self._lose(f"taken over by {self._describe(current)}")
+        return False
 
-    def _age(self, holder: dict) -> float:
-        """Seconds since ``holder`` last renewed its lease (a lock that records no renewal: its file's age)."""
-        renewed = holder.get("renewed")
-        if not isinstance(renewed, (int, float)):
-            try:
-                renewed = self.path.stat().st_mtime
-            except OSError:
-                return 0.0
-        return time.time() - renewed
+    def _lose(self, why: str) -> None:
+        if not self.lost.is_set():
+            self.lost.set()
+            _warn(f"this run no longer holds {self.path} ({why}); it writes nothing more into {self.path.parent}")
 
+    # ---------------------------------------------------------------- the .break lock
     def _hold_break(self, wait_s: float = 1.0) -> bool:
-        """Take ``.break`` (waiting up to ``wait_s``); a ``.break`` left by a run that died while holding it goes."""
+        """Take ``.break`` (waiting up to ``wait_s``). A ``.break`` that stays unchanged for ``BREAK_STALE_S`` by this
+        host's monotonic clock (over this and earlier calls) was left by a run that died holding it: it goes."""
         deadline = time.monotonic() + wait_s
         while True:
-            if self._create(self.break_path, {"pid": os.getpid()}):
+            if self._create(self.break_path, {"host": socket.gethostname(), "pid": os.getpid()}):
+                self._break_seen = None
                 return True
-            with contextlib.suppress(FileNotFoundError):
-                if time.time() - self.break_path.stat().st_mtime > self.BREAK_STALE_S:
-                    self.break_path.unlink()
+            seen = self._identity(self.break_path)
+            if seen is not None:
+                if self._break_seen is None or self._break_seen[0] != seen:
+                    self._break_seen = (seen, time.monotonic())
+                elif time.monotonic() - self._break_seen[1] > self.BREAK_STALE_S:
+                    if self._identity(self.break_path) == seen:
+                        self.break_path.unlink(missing_ok=True)
+                    self._break_seen = None
+                    continue
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
 
-    def _break(self, stale: dict) -> bool:
+    def _break(self, stale: bytes) -> bool:
         """Remove the lease if it still is ``stale``, holding ``.break`` meanwhile; True when this run removed it."""
         if not self._hold_break(wait_s=0.0):
             return False
         try:
-            if self._read(self.path) == stale:  # nobody else removes or renews a lease meanwhile
+            seen = self._snapshot()
+            if seen is not None and seen[0] == stale:  # nobody else removes or renews a lease meanwhile
                 self.path.unlink()
                 return True
             return False
         finally:
             self.break_path.unlink(missing_ok=True)
 
+    # ---------------------------------------------------------------- reading lease files (untrusted input)
     @staticmethod
     def _create(path: Path, record: dict) -> bool:
         try:
@@ -398,32 +481,85 @@ class RunLease:
         return True
 
     @staticmethod
-    def _read(path: Path) -> dict | None:
+    def _identity(path: Path) -> tuple | None:
         try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+            stat = path.stat()
+            return stat.st_ino, stat.st_mtime_ns, stat.st_size, path.read_bytes()
+        except OSError:
             return None
-        return record if isinstance(record, dict) and {"host", "pid"} <= record.keys() else None
+
+    def _snapshot(self) -> tuple[bytes, tuple] | None:
+        """The lease file's bytes and identity (inode, modification time, size), or None when there is none."""
+        identity = self._identity(self.path)
+        return None if identity is None else (identity[3], identity[:3])
+
+    def _parse(self, raw: bytes) -> tuple[dict | None, list[str]]:
+        """(the lease's fields, each malformed one as None; None when it is no lease record at all), and one line for
+        each problem, naming the file and the field."""
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            return None, [f"{self.path} is not a lease record (not JSON{', empty' if not raw.strip() else ''})"]
+        if not isinstance(record, dict):
+            return None, [f"{self.path} is not a lease record (a JSON {type(record).__name__}, not an object)"]
+        problems, fields = [], {}
+
+        def field(name, valid, what):
+            value = record.get(name)
+            if value is None or valid(value):
+                fields[name] = value
+                return
+            fields[name] = None
+            problems.append(f"{self.path}: field {name} is {value!r}, not {what}")
+
+        field("host", lambda v: isinstance(v, str) and v, "a host name")
+        field("pid", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a process id")
+        field("pid_started", lambda v: _number(v) is not None, "a start time")
+        field("job", lambda v: isinstance(v, str), "a job name")
+        field("restart", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a restart count")
+        field("timeout_s", lambda v: (_number(v) or 0) > 0, "a positive number of seconds")
+        field("renewed", lambda v: _number(v) is not None, "a time")
+        field("token", lambda v: isinstance(v, str), "a token")
+        field("started", lambda v: isinstance(v, str), "a time")
+        for name in ("host", "pid"):
+            if record.get(name) is None:
+                problems.append(f"{self.path}: field {name} is missing")
+        ahead = (fields["renewed"] or 0) - time.time()
+        if ahead > self.renew_s:  # the holder's clock is ahead of this host's: nothing here relies on it
+            problems.append(f"{self.path}: field renewed is {ahead:.0f} s ahead of this host's clock (clocks that "
+                            f"disagree); the lease is judged by whether it changes, not by that time")
+        return fields, problems
+
+    @staticmethod
+    def _key(holder: dict | None) -> tuple | None:
+        """Who wrote a lease (host, pid, token): the same key written again is a renewal."""
+        if holder is None:
+            return None
+        return holder["host"], holder["pid"], holder["token"]
 
     def _describe(self, holder: dict | None) -> str:
         if holder is None:
-            return "unknown holder"
-        parts = [f"host {holder['host']}", f"pid {holder['pid']}"]
-        if holder.get("job"):
-            parts.append(f"job {holder['job']}" + (f" restart {holder['restart']}" if holder.get("restart") else ""))
-        if holder.get("started"):
+            return "an unreadable lease"
+        parts = [f"host {holder['host'] or '?'}", f"pid {holder['pid'] or '?'}"]
+        if holder["job"]:
+            parts.append(f"job {holder['job']}" + (f" restart {holder['restart']}" if holder["restart"] else ""))
+        if holder["started"]:
             parts.append(f"started {holder['started']}")
         return ", ".join(parts)
 
-    def _held_message(self, holder: dict) -> str:
-        pid = int(holder["pid"])
-        timeout = float(holder.get("timeout_s") or self.timeout_s)
-        where = self._describe(holder) + f", lease renewed {self._age(holder):.0f} s ago"
+    def _held_message(self, holder: dict, renewed_while_watched: bool = False) -> str:
+        pid = holder["pid"]
+        timeout = _number(holder["timeout_s"]) or self.timeout_s
+        where = self._describe(holder) + (", renewed while this run watched it" if renewed_while_watched else "")
         if holder["host"] != socket.gethostname():
             how = (f"its lease is taken over when not renewed for {timeout:g} s, or at once by a requeue of its job "
-                   f"(the same SLURM_JOB_ID or TORCHELASTIC_RUN_ID); to start another run, choose another output_dir")
+                   f"(the same SLURM_JOB_ID or TORCHELASTIC_RUN_ID with a new restart count); to start another run, "
+                   f"choose another output_dir")
         elif pid == os.getpid():
             how = "an earlier run in this same process has not finished; to start another run, choose another output_dir"
+        elif holder["pid_started"] is None:  # pid may be any process now (pid 1, say): never advise to signal it
+            how = (f"its lock records no start time, so pid {pid} may be another process now; it is taken over when "
+                   f"not renewed for {timeout:g} s; to start another run, choose another output_dir")
         else:
             how = (f"wait for it to finish, or stop it with `kill -TERM {pid}` (it saves a checkpoint) and "
                    f"run again to resume; to start another run, choose another output_dir")
@@ -440,10 +576,10 @@ class RunClaim:
 
     def __init__(self, run: RunDir):
         self.run = run
+        self.lease = RunLease(run.lock)  # a bad NEMO_ANCHOR_LEASE_* setting is refused before anything is made
         self.existed = run.root.exists()
         self.fresh = not self.existed or (run.root.is_dir() and not any(run.root.iterdir()))
         run.root.mkdir(parents=True, exist_ok=True)
-        self.lease = RunLease(run.lock)
         self.lease.acquire()  # when refused, the folder and everything in it belong to the holder
         self.lease.start_renewing()
 

@@ -18,13 +18,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from nemo_anchor.atomic import process_start_time
 from nemo_anchor.cli import main
 from nemo_anchor.run_dir import LOCK_FILE, RunDir, RunDirInUse, RunLease
 
@@ -157,7 +157,8 @@ def holder():
 def test_second_training_into_a_run_in_use_is_refused(trained, tmp_path, capsys, holder):
     run = tmp_path / "run"
     shutil.copytree(trained / "run", run)
-    (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder, "started": "now"}))
+    (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder, "started": "now",
+                                             "pid_started": process_start_time(holder)}))
     before = snapshot(run)
     status, _ = resume(trained, tmp_path, "trainer.max_steps=3")
     assert status == 2
@@ -182,7 +183,8 @@ def test_data_whose_metadata_disagrees_with_its_tokenizer_leaves_no_run_folder(t
 def test_user_error_under_torchrun_is_one_line_from_rank_0(trained, tmp_path, holder):
     run = tmp_path / "run"
     shutil.copytree(trained / "run", run)
-    (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder}))
+    (run / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder,
+                                             "pid_started": process_start_time(holder)}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(REPO / "scripts" / "pretrain.py"), "--config", str(trained / "config.yaml"),
@@ -206,6 +208,9 @@ def _unshare_permitted() -> bool:
 
 needs_unshare = pytest.mark.skipif(not _unshare_permitted(), reason="another host is simulated with a UTS namespace "
                                    "(`unshare -u`), which needs root or user namespaces; not permitted here")
+
+# a live holder renews this often (and is refused as soon as it is seen renewing)
+FAST_LEASE = {"NEMO_ANCHOR_LEASE_RENEW_S": "0.2", "NEMO_ANCHOR_LEASE_TIMEOUT_S": "60"}
 
 # holds the lease from another host until stdin closes: prints its record once it holds it
 _HOLD = ("import json, sys\nfrom nemo_anchor.run_dir import RunLease\n"
@@ -239,7 +244,7 @@ def other_host(tmp_path):
 
 @needs_unshare
 def test_lease_of_a_live_run_on_another_host_is_refused_naming_host_pid_and_job(tmp_path, other_host, monkeypatch):
-    _, record = other_host(SLURM_JOB_ID="41")
+    _, record = other_host(SLURM_JOB_ID="41", **FAST_LEASE)
     assert record["host"] == "node7" and record["job"] == "slurm 41"
     monkeypatch.setenv("SLURM_JOB_ID", "42")  # another job
     with pytest.raises(RunDirInUse, match=f"host node7, pid {record['pid']}, job slurm 41") as refused:
@@ -284,7 +289,7 @@ def test_requeued_training_resumes_where_another_node_holds_the_lease(trained, t
 
 @needs_unshare
 def test_two_live_steps_of_one_job_are_not_a_requeue(tmp_path, other_host, monkeypatch):
-    _, record = other_host(SLURM_JOB_ID="41", SLURM_RESTART_COUNT="2")
+    _, record = other_host(SLURM_JOB_ID="41", SLURM_RESTART_COUNT="2", **FAST_LEASE)
     monkeypatch.setenv("SLURM_JOB_ID", "41")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     with pytest.raises(RunDirInUse, match="job slurm 41 restart 2"):
@@ -296,16 +301,13 @@ def test_lease_not_renewed_within_its_timeout_is_taken_over_from_any_host(tmp_pa
     monkeypatch.setenv("NEMO_ANCHOR_LEASE_RENEW_S", "0.2")
     monkeypatch.setenv("NEMO_ANCHOR_LEASE_TIMEOUT_S", "1.5")
     holder, record = other_host(NEMO_ANCHOR_LEASE_RENEW_S="0.2", NEMO_ANCHOR_LEASE_TIMEOUT_S="1.5")
-    time.sleep(2.0)  # renewed all along: still held
-    assert json.loads((tmp_path / LOCK_FILE).read_text())["renewed"] > record["renewed"] + 1.0
-    with pytest.raises(RunDirInUse, match="host node7"):
-        RunLease(tmp_path / LOCK_FILE).acquire()
+    with pytest.raises(RunDirInUse, match="host node7.*renewed while this run watched it"):
+        RunLease(tmp_path / LOCK_FILE).acquire()  # watched until it renews
     holder.kill()  # node7 fails: nobody renews its lease, and its pid cannot be checked from here
     holder.wait()
-    time.sleep(1.7)
     lease = RunLease(tmp_path / LOCK_FILE)
-    lease.acquire()
-    assert "not renewed for" in lease.took_over
+    lease.acquire()  # watched for 1.5 s (node7's timeout) by this host's clock, unchanged
+    assert "not renewed while this run watched it" in lease.took_over
     lease.release()
 
 
@@ -340,16 +342,16 @@ def test_lease_held_by_this_same_process_is_refused_without_advising_to_kill_it(
     first.release()
 
 
-def test_old_lock_without_start_time_naming_a_live_pid_is_kept_until_it_expires(tmp_path, holder):
+@pytest.mark.parametrize("pid", ["holder", 1])
+def test_old_lock_without_start_time_naming_a_live_pid_is_kept_until_it_expires(tmp_path, holder, capsys, pid):
+    pid = holder if pid == "holder" else pid  # pid 1 (init) is alive, and never the run
     lock = tmp_path / LOCK_FILE
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": holder}))
-    with pytest.raises(RunDirInUse, match=f"kill -TERM {holder}"):
-        RunLease(lock).acquire()
-    old = time.time() - 301
-    os.utime(lock, (old, old))  # not renewed for longer than the timeout: the pid may be another process's now
-    lease = RunLease(lock)
-    lease.acquire()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))  # the previous format
+    lease = RunLease(lock, renew_s=0.1, timeout_s=0.5)
+    lease.acquire()  # watched for its timeout: nothing renewed it
     assert "may be another process now" in lease.took_over
+    err = capsys.readouterr().err
+    assert f"records no start time for pid {pid}" in err and "kill" not in err
     lease.release()
 
 
@@ -366,18 +368,16 @@ def test_renewal_stops_when_the_lease_was_taken_over(tmp_path):
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "another run"
 
 
-def test_lease_removed_by_hand_while_its_run_lives_is_written_again(tmp_path):
+def test_lease_removed_while_its_run_lives_is_lost_and_never_written_again(tmp_path, capsys):
     lease = RunLease(tmp_path / LOCK_FILE, renew_s=0.05, timeout_s=1.0)
     lease.acquire()
     lease.start_renewing()
-    (tmp_path / LOCK_FILE).unlink()  # what the old refusal told users to do
-    deadline = time.time() + 5
-    while not (tmp_path / LOCK_FILE).exists() and time.time() < deadline:
-        time.sleep(0.02)
-    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lease.record["token"]
-    assert not lease.lost.is_set()
+    (tmp_path / LOCK_FILE).unlink()  # by hand, or by a run that judged it stale and is about to take it
+    assert lease.lost.wait(timeout=60)
+    assert not (tmp_path / LOCK_FILE).exists()  # a renewal never makes it again: the folder may be another run's
+    assert f"this run no longer holds {tmp_path / LOCK_FILE} ({tmp_path / LOCK_FILE} was removed)" in \
+        capsys.readouterr().err
     lease.release()
-    assert not (tmp_path / LOCK_FILE).exists()
 
 
 @pytest.mark.parametrize("variables, message", [
@@ -393,21 +393,23 @@ def test_bad_lease_timing_is_named(tmp_path, monkeypatch, variables, message):
 
 
 def test_run_whose_lease_was_taken_over_stops_without_writing(trained, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("NEMO_ANCHOR_LEASE_RENEW_S", "0.05")
-    monkeypatch.setenv("NEMO_ANCHOR_LEASE_TIMEOUT_S", "0.1")
+    from nemo_anchor.training.loop import Trainer
+
     run = tmp_path / "run"
     intruder = json.dumps(_lease_record(pid=1, token="another run"))
+    train_step = Trainer.train_step
 
-    def take_over():  # another run takes the lease over while this one trains (its lease looked expired)
-        while not (run / LOCK_FILE).exists():
-            time.sleep(0.01)
-        (run / LOCK_FILE).write_text(intruder)
+    def step_then_taken_over(self):  # another run takes the lease over while step 1 runs (its lease looked expired)
+        result = train_step(self)
+        if self.step == 1:
+            (run / LOCK_FILE).write_text(intruder)
+        return result
 
-    thief = threading.Thread(target=take_over, daemon=True)
-    thief.start()
-    status = main(["train", "--config", str(trained / "config.yaml"), f"output_dir={run}", "trainer.max_steps=10000"])
-    thief.join()
+    monkeypatch.setattr(Trainer, "train_step", step_then_taken_over)
+    # renewed every 30 s (the default): the takeover must be seen before the next write, not at the next renewal
+    status = main(["train", "--config", str(trained / "config.yaml"), f"output_dir={run}", "trainer.max_steps=3",
+                   "checkpoint.save_every=1"])
     assert status == 2
-    assert "another run took this run's lease over; this run stops at step" in error_line(capsys)
+    assert "another run took this run's lease over; this run stops at step 1 without saving" in error_line(capsys)
     assert run.is_dir() and (run / LOCK_FILE).read_text() == intruder  # the folder and the lease are the other run's
     assert not RunDir(run).list_checkpoints()  # nothing saved after the lease was lost

@@ -404,8 +404,8 @@ class Trainer:
         return [bool(v) for v in value.tolist()]
 
     def _lease_lost(self) -> bool:
-        """Whether another run took this run's lease over (known to rank 0, which holds it)."""
-        return self._claim is not None and self._claim.lease.lost.is_set()
+        """Whether this run lost its lease (rank 0, which holds it, reads the lease file now)."""
+        return self._claim is not None and not self._claim.lease.held()
 
 
 def _saved_data_fingerprint(checkpoint: Path) -> str | None:
