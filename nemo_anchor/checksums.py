@@ -101,6 +101,45 @@ def gather_from_all(value) -> list:
     return every
 
 
+def read_manifest(path: Path) -> dict[str, list[int]]:
+    """A checkpoint's ``checksums.json``, read as untrusted input: CheckpointError naming the file and the field
+    unless it is a non-empty ``{file: [bytes, CRC-32]}`` (an empty or malformed one verifies nothing)."""
+    try:
+        sums = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is unreadable ({err})") from None
+    if not isinstance(sums, dict) or not sums:
+        what = "empty" if sums == {} else f"a JSON {type(sums).__name__}"
+        raise CheckpointError(f"{path} is {what}, not {{file: [bytes, CRC-32]}} of the checkpoint's files: it "
+                              f"verifies nothing")
+    for name, entry in sums.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and
+                all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)):
+            raise CheckpointError(f"{path}: field {name!r} is {entry!r}, not [bytes, CRC-32]")
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{path}: field {name!r} names no file of the checkpoint")
+    return sums
+
+
+def verify_digests(root: Path, recorded: dict) -> dict[str, str]:
+    """{file: what is wrong with it} for the files of ``recorded`` (``{name: [bytes, "xxh3-128:HEX"]}``, a packed
+    dataset's ``metadata.json`` ``checksums``) that differ from it; every byte of every file is read."""
+    problems = {}
+    for name, entry in sorted(recorded.items()):
+        path = root / name
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+                and isinstance(entry[1], str)):
+            problems[name] = f"{root / 'metadata.json'}: field checksums.{name} is {entry!r}, not [bytes, digest]"
+        elif not path.is_file():
+            problems[name] = f"{path} is missing"
+        elif path.stat().st_size != entry[0]:
+            problems[name] = f"{path} has {path.stat().st_size} bytes, metadata.json recorded {entry[0]}"
+        elif file_digests(root, [name])[name][1] != entry[1]:
+            problems[name] = f"{path} changed since it was packed: its XXH3-128 differs from the one metadata.json " \
+                             f"recorded"
+    return problems
+
+
 def _damaged_files(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str, str]:
     """{file: what is wrong with it} for those of ``names`` that do not match the manifest."""
     problems = {}
@@ -154,7 +193,7 @@ def verify_files(ckpt_dir: str | os.PathLike, report: Callable[[str], None] = sa
     problem = sums = None  # rank 0 reads them; every rank gets them
     if _rank() == 0:
         try:
-            sums = json.loads((ckpt_dir / CHECKSUMS).read_text()) if (ckpt_dir / CHECKSUMS).is_file() else None
+            sums = read_manifest(ckpt_dir / CHECKSUMS) if (ckpt_dir / CHECKSUMS).is_file() else None
             if sums is None:
                 _verify_against_index(ckpt_dir)
         except CheckpointError as err:

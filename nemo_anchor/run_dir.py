@@ -593,3 +593,22 @@ class RunClaim:
                 if path != self.run.lock:
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         self.lease.release()
+
+
+def lease_lost_on_any_rank(claim: RunClaim | None, device) -> bool:
+    """Whether this run lost its lease, agreed by every rank (one all-reduce on ``device``): rank 0, which holds
+    ``claim``, reads its lease file now; the other ranks pass None. A front door calls it before each save."""
+    import torch
+    import torch.distributed as dist
+
+    lost = claim is not None and not claim.lease.held()
+    if not dist.is_initialized():
+        return lost
+    flag = torch.tensor([int(lost)], device=device, dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def lease_lost_message(root: str | os.PathLike, step: int) -> str:
+    return (f"output_dir {root}: another run took this run's lease over; this run stops at step {step} "
+            f"without saving")

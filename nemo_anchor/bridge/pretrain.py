@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     apply_overrides(config, args.overrides)
     launch.resolve_bridge_config(config)  # this process's devices decide what the recipe left to them
     allow_change = [key for value in args.allow_change for key in value.split(",") if key]
-    with run_guard.claimed(config):  # nemo-anchor train's lock, resume comparison, tokenizer check and exit status
+    with run_guard.claimed(config) as claim:  # nemo-anchor train's lock, resume comparison, tokenizer check, exit status
         prepare(config)
-        with run_guard.checked(config, allow_change) as guards:
+        with run_guard.checked(config, allow_change, claim) as guards:
             _pretrain(config, [MetricsCallback(args.peak_tflops), *guards])
 
 

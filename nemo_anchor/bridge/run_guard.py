@@ -1,13 +1,15 @@
 """Our trainer's run guards on Megatron-Bridge's ``pretrain()`` (``python -m nemo_anchor.bridge.pretrain``).
 
 - One run per ``checkpoint.save`` (``nemo_anchor.run_dir.RunClaim``, the lock ``nemo-anchor train``
-  takes on its output_dir), taken before anything is written there.
+  takes on its output_dir), taken before anything is written there and held before every save: a run
+  whose lease another run took over stops without saving.
 - The data's tokenizer (pack's ``tokenizer/``) is the one of the weights the run starts from (the
   ``hf_reference/`` that ``import_hf`` keeps beside a checkpoint), checked before the first step.
 - A resume (``checkpoint.load`` with a saved iteration) is compared with the run as
   ``nemo-anchor train`` compares it (``nemo_anchor.training.resume``): the model, the data by
   content (the packed dataset's fingerprint), batch and optimizer settings are recorded in
-  ``checkpoint.save/run_guard.json`` when the run starts, and a changed key is refused naming it and
+  ``checkpoint.save/run_guard.json`` after each checkpoint is saved (so it describes the checkpoint a
+  resume loads), and a changed key is refused naming it and
   both values unless ``--allow-change`` lists it; an allowed LR-schedule key sets Bridge's
   ``scheduler.override_opt_param_scheduler`` (Megatron-LM's ``--override-opt-param-scheduler``).
   ``optim.lr``, ``optim.min_lr`` and ``optim.weight_decay`` stay refused even when allowed:
@@ -29,35 +31,24 @@ from megatron.bridge.training.callbacks import Callback, CallbackContext
 from nemo_anchor.atomic import atomic_file
 from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer, load_tokenizer
-from nemo_anchor.run_dir import RunClaim, RunDir
+from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, lease_lost_message, lease_lost_on_any_rank
 from nemo_anchor.training import resume
 from nemo_anchor.training.preemption import EXIT_INTERRUPTED
 
 RECORD_FILE = "run_guard.json"
 
 
-def run_config(config) -> dict[str, Any]:
-    """What defines a Bridge run, under the keys of ``nemo-anchor train``'s config (nested, as its config.yaml)."""
-    import dataclasses
-
-    from nemo_anchor.convert.megatron_config import model_config_from_megatron
-
-    model, optim, train = config.model, config.optimizer, config.train
-    shape = dataclasses.asdict(model_config_from_megatron(model, default_architecture="llama"))
-    shape.update(vocab_size=model.vocab_size, rotary_base=str(float(model.rotary_base)),
-                 tie_embeddings=model.share_embeddings_and_output_weights,
-                 tensor_model_parallel_size=model.tensor_model_parallel_size,
-                 context_parallel_size=model.context_parallel_size)
-    return {
-        "model": shape,
-        "data": {"path": str(config.dataset.path), "valid_path": config.dataset.valid_path},
-        "trainer": {"global_batch_size": train.global_batch_size, "micro_batch_size": train.micro_batch_size,
-                    "max_steps": train.train_iters, "precision": "bf16" if model.bf16 else "fp32"},
-        "optim": {"lr": optim.lr, "min_lr": optim.min_lr, "weight_decay": optim.weight_decay,
-                  "clip_grad": optim.clip_grad, "beta1": optim.adam_beta1, "beta2": optim.adam_beta2,
-                  "eps": optim.adam_eps, "warmup_steps": config.scheduler.lr_warmup_iters,
-                  "schedule": config.scheduler.lr_decay_style},
-    }
+def run_record(config) -> dict[str, Any]:
+    """What defines a Bridge run (``nemo_anchor.training.resume.run_record``, under ``nemo-anchor train``'s keys)."""
+    optim, train = config.optimizer, config.train
+    return resume.run_record(
+        config.model, data_path=config.dataset.path, valid_path=config.dataset.valid_path,
+        global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size,
+        max_steps=train.train_iters, default_architecture="llama",
+        optim={"lr": optim.lr, "min_lr": optim.min_lr, "weight_decay": optim.weight_decay,
+               "clip_grad": optim.clip_grad, "beta1": optim.adam_beta1, "beta2": optim.adam_beta2,
+               "eps": optim.adam_eps, "warmup_steps": config.scheduler.lr_warmup_iters,
+               "schedule": config.scheduler.lr_decay_style})
 
 
 def _resumes(config) -> bool:
@@ -79,10 +70,10 @@ def check(config, allow_change: list[str]) -> dict:
     resume.check_allow_list(allow_change)
     windows = config.dataset.open()
     _check_tokenizer(config, windows)
-    record = {"config": run_config(config), "data": resume.dataset_fingerprint(config.dataset.path)}
+    record = run_record(config)
     saved_file = Path(config.checkpoint.load or config.checkpoint.save) / RECORD_FILE
     if _resumes(config) and saved_file.is_file():
-        saved = json.loads(saved_file.read_text())
+        saved = _read_record(saved_file)
         changed = resume.compare(
             Path(config.checkpoint.load), saved["config"], record["config"], allow_change, saved["data"],
             record["data"], allow_hint="pass --allow-change {key}",
@@ -104,6 +95,17 @@ def check(config, allow_change: list[str]) -> dict:
     return record
 
 
+def _read_record(path: Path) -> dict:
+    """A ``run_guard.json``, read as untrusted input: ValueError naming the file and the field."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is unreadable ({err}); it records the run its checkpoints continue") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        raise ValueError(f"{path}: field config is missing or not an object")
+    return saved
+
+
 class _SignalSeen(Callback):
     """Keeps Bridge's state, whose signal handler says at the end whether a signal stopped the run."""
 
@@ -118,31 +120,59 @@ class _SignalSeen(Callback):
         return handler is not None and any(handler.signals_received())
 
 
+class _LeaseHeld(Callback):
+    """Before any save of a step (Bridge saves after ``on_train_step_end``), every rank learns whether rank 0 still
+    holds the lease on ``checkpoint.save``: a run whose lease another run took over stops without writing."""
+
+    def __init__(self, claim: RunClaim | None, root: str):
+        self.claim, self.root = claim, root
+
+    def on_train_step_end(self, context: CallbackContext) -> None:
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        if lease_lost_on_any_rank(self.claim, device):
+            raise RunDirInUse(lease_lost_message(self.root, context.state.train_state.step + 1))
+
+
+class _RecordWithCheckpoint(Callback):
+    """``run_guard.json`` is written after each checkpoint Bridge saves (``on_checkpoint_save`` fires once it is
+    published; with asynchronous saves, when it is finalized), so it describes the checkpoint a resume loads: a
+    resume with an allowed change that stops before its first save leaves the record of the checkpoint it had."""
+
+    def __init__(self, record: dict, save: str):
+        self.record, self.save = record, save
+
+    def on_checkpoint_save(self, context: CallbackContext) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            with atomic_file(Path(self.save) / RECORD_FILE) as staging:
+                staging.write_text(json.dumps({**self.record, "step": context.state.train_state.step}, indent=1))
+
+
 @contextlib.contextmanager
-def claimed(config) -> Iterator[None]:
-    """One run writes into ``checkpoint.save`` (the lock, taken by rank 0 before anything is written there)."""
+def claimed(config) -> Iterator[RunClaim | None]:
+    """One run writes into ``checkpoint.save`` (the lock, taken by rank 0 before anything is written there); yields
+    rank 0's claim (None on the other ranks) for :func:`checked`."""
     if not config.checkpoint.save:
         raise ValueError("checkpoint.save is not set: give the run's output directory")
     claim = RunClaim(RunDir(config.checkpoint.save)) if int(os.environ.get("RANK", "0")) == 0 else None
     try:
-        yield
+        yield claim
     finally:
         if claim is not None:
             claim.release(failed=False)  # Bridge's iter_* are not our checkpoints/: nothing is removed
 
 
 @contextlib.contextmanager
-def checked(config, allow_change: list[str]) -> Iterator[list[Callback]]:
-    """``with checked(config, allow) as callbacks: pretrain(config, step, callbacks=[..., *callbacks])``: the checks,
-    the record for the next resume, Bridge's exit-signal save, and exit status 75 after it."""
+def checked(config, allow_change: list[str], claim: RunClaim | None = None) -> Iterator[list[Callback]]:
+    """``with claimed(config) as claim, checked(config, allow, claim) as callbacks: pretrain(config, step,
+    callbacks=[..., *callbacks])``: the checks, the lease held before every save, the record for the next resume
+    written with each checkpoint, Bridge's exit-signal save, and exit status 75 after it."""
     record = check(config, allow_change)
-    if int(os.environ.get("RANK", "0")) == 0:
-        with atomic_file(Path(config.checkpoint.save) / RECORD_FILE) as staging:
-            staging.write_text(json.dumps(record, indent=1))
     config.train.exit_signal_handler = True
     seen = _SignalSeen()
     try:
-        yield [seen]
+        yield [seen, _LeaseHeld(claim, config.checkpoint.save), _RecordWithCheckpoint(record, config.checkpoint.save)]
     except SystemExit as exit:  # Bridge ends a run stopped by its exit signal with sys.exit(0), after the save
         if exit.code in (0, None) and seen.stopped_by_signal():
             raise SystemExit(EXIT_INTERRUPTED) from None

@@ -36,37 +36,29 @@ import lightning.pytorch as pl
 import torch
 from nemo import lightning as nl
 from nemo.lightning.pytorch.callbacks import PreemptionCallback
+from nemo.utils import AppState
 
 from nemo_anchor.data.tokenizer import check_same_tokenizer, load_tokenizer
 from nemo_anchor.convert.sources import check_nemo2_weights, nemo2_tokenizer_dir
-from nemo_anchor.run_dir import LOCK_FILE, RunClaim, RunDir
+from nemo_anchor.run_dir import LOCK_FILE, RunClaim, RunDir, RunDirInUse, lease_lost_message, lease_lost_on_any_rank
 from nemo_anchor.training import resume
 from nemo_anchor.training.preemption import EXIT_INTERRUPTED, STOP_SIGNALS
 
 
 
-def run_config(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-    """What defines a NeMo run, under the keys of ``nemo-anchor train``'s config (nested, as its config.yaml)."""
-    import dataclasses
-
-    from nemo_anchor.convert.megatron_config import model_config_from_megatron
-
+def run_record(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """What defines a NeMo run (``nemo_anchor.training.resume.run_record``, under ``nemo-anchor train``'s keys)."""
     data = trainer.datamodule
-    config = pl_module.config
     optim = getattr(pl_module, "optim", None)
     optim_config = getattr(optim, "config", None)
     scheduler = getattr(optim, "lr_scheduler", None)
-    model = dataclasses.asdict(model_config_from_megatron(config))
     optim_keys = {"lr": "lr", "min_lr": "min_lr", "weight_decay": "weight_decay", "clip_grad": "clip_grad",
                   "beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_eps"}
-    return {
-        "model": model,
-        "data": {"path": str(data.path), "valid_path": data.valid_path and str(data.valid_path)},
-        "trainer": {"global_batch_size": data.global_batch_size, "micro_batch_size": data.micro_batch_size,
-                    "max_steps": trainer.max_steps, "precision": "bf16" if config.bf16 else "fp32"},
-        "optim": {**{ours: getattr(optim_config, theirs, None) for ours, theirs in optim_keys.items()},
-                  "schedule": "constant" if scheduler is None else type(scheduler).__name__},
-    }
+    return resume.run_record(
+        pl_module.config, data_path=data.path, valid_path=data.valid_path, global_batch_size=data.global_batch_size,
+        micro_batch_size=data.micro_batch_size, max_steps=trainer.max_steps,
+        optim={**{ours: getattr(optim_config, theirs, None) for ours, theirs in optim_keys.items()},
+               "schedule": "constant" if scheduler is None else type(scheduler).__name__})
 
 
 # the claims taken by AnchorNeMoLogger, by log directory, until the run's AnchorRunGuard adopts them
@@ -141,15 +133,13 @@ class AnchorRunGuard(pl.Callback):
         """Runs before NeMo's checkpoint callback moves the log directory's files and before a restore."""
         if stage != "fit" or self._claim is not None:
             return
-        from nemo.utils import AppState
-
         if trainer.is_global_zero:  # first: while another run holds the directory, nothing else is looked at
             self._claim = _claim(AppState().log_dir)
         data = trainer.datamodule
         self._check_start(trainer, pl_module, data)
         if pl_module.config.vocab_size:
             data.train_dataset.dataset.check_token_ids(pl_module.config.vocab_size)
-        self._record = {"config": run_config(trainer, pl_module), "data": resume.dataset_fingerprint(data.path)}
+        self._record = run_record(trainer, pl_module)
         self._checkpoint = trainer.ckpt_path
 
     def _check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data) -> None:
@@ -207,7 +197,15 @@ class AnchorRunGuard(pl.Callback):
                         if field in group:
                             group[field] = after if not before else group[field] * after / before
 
-    # ---------------------------------------------------------------- the lock goes with the run
+    # ---------------------------------------------------------------- the lock: held before every save, then released
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        """Before any save of this step (Lightning runs checkpoint callbacks last, and this guard comes before
+        AnchorPreemption in the recipes), every rank learns whether rank 0 still holds the lease: a run whose
+        lease another run took over stops without writing."""
+        if lease_lost_on_any_rank(self._claim, pl_module.device):
+            raise RunDirInUse(lease_lost_message(AppState().log_dir, trainer.global_step))
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._release()
 

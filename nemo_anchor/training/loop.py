@@ -72,7 +72,7 @@ class Trainer:
                 f"trainer.global_batch_size={t.global_batch_size} must be a multiple of trainer.micro_batch_size x "
                 f"data-parallel size = {t.micro_batch_size} x {self.ctx.data_parallel_size}")
         self.config.model.vocab_size = vocab_size
-        self.data_fingerprint = resume.dataset_fingerprint(config.data.path)
+        self.data_fingerprint = resume.data_record(config.data.path)
         self._claim = self._claim_output_dir()
         try:
             with checksums.verification(config.checkpoint.verify):  # the resumed checkpoint, model.init_from_hf's

@@ -17,14 +17,23 @@ Three kinds of keys (dotted names of the run config):
 - every other key (the model and its attention, ``model.seq_length``, the data, seed, precision,
   optimizer betas...) alters the run: a change is refused naming the key and both values.
 
-The training data is compared by content, not by path: :func:`dataset_fingerprint` is saved in
-every checkpoint, so a dataset moved elsewhere resumes and another one of the same size is refused.
+The training data is compared by content, not by path: :func:`data_record` is saved in every
+checkpoint, so a dataset moved elsewhere resumes and another one of the same size is refused. It holds
+the dataset's fingerprint (its metadata, which holds pack's digest of every file) and where its files
+were, with their sizes and modification times: when any of these changed, the files are read again and
+compared with pack's digests (the time it took is reported), so data rewritten in place is refused.
+
+NeMo's and Bridge's front doors keep the same record with their checkpoints (:func:`run_record`), built
+here from their configs, under the keys of ``nemo-anchor train``'s config.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SCHEDULE = ("optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule", "optim.weight_decay",
             "trainer.max_steps")
@@ -70,18 +79,23 @@ ALLOW_HINT = "pass --allow-change {key} (config: checkpoint.allow_change=[{key}]
 RESTART_HINT = "train into a new output_dir (model.init_from_hf={checkpoint} starts from its weights)"
 
 
-def compare(checkpoint: Path, saved: dict, new: dict, allow: list[str], saved_data: str | None,
-            new_data: str, *, allow_hint: str = ALLOW_HINT, restart_hint: str = RESTART_HINT
-            ) -> dict[str, tuple[Any, Any]]:
+def compare(checkpoint: Path, saved: dict, new: dict, allow: list[str], saved_data: dict | str | None,
+            new_data: dict, *, allow_hint: str = ALLOW_HINT, restart_hint: str = RESTART_HINT,
+            report: Callable[[str], None] | None = None) -> dict[str, tuple[Any, Any]]:
     """The keys that change from ``saved`` (the checkpoint's config) to ``new``, once each is cleared.
 
-    ``saved_data``/``new_data`` are the dataset fingerprints (None: a checkpoint from before they
-    were recorded, then ``data.path`` is compared by name). ``allow_hint`` (with ``{key}``) and
-    ``restart_hint`` (with ``{checkpoint}``) say how the front door allows a key and starts afresh.
+    ``saved_data``/``new_data`` are :func:`data_record` s (a checkpoint of an earlier version saved the
+    fingerprint alone, or nothing: then ``data.path`` is compared by name). When the data files moved or
+    changed size or modification time, they are read again and compared with their digests, and ``report``
+    (rank 0's print by default) says how long that took. ``allow_hint`` (with ``{key}``) and ``restart_hint``
+    (with ``{checkpoint}``) say how the front door allows a key and starts afresh.
 
     Raises:
-        ResumeRefused: the first key that may not change (model keys first), with both values and what to do.
+        ResumeRefused: the first key that may not change (model keys first), with both values and what to do;
+            or data files that differ from their digests, naming the first.
     """
+    saved_files = saved_data.get("files") if isinstance(saved_data, dict) else None
+    saved_data, new_data, new_files = _fingerprint(saved_data), _fingerprint(new_data), new_data["files"]
     old, now = flatten(saved), flatten(new)
     changed = {key: (old.get(key), now.get(key)) for key in old.keys() | now.keys() if old.get(key) != now.get(key)}
     # the data compared by content: moved is the same (the new path is reported), another of its size is not
@@ -103,7 +117,80 @@ def compare(checkpoint: Path, saved: dict, new: dict, allow: list[str], saved_da
         else:
             hint = f"it changes the run: resume with {key}={before!r}, or {restart_hint.format(checkpoint=checkpoint)}"
         raise ResumeRefused(f"cannot resume {checkpoint}: {key} was {before!r}, the new config has {after!r}; {hint}")
+    if saved_data is not None and saved_files != new_files:
+        _check_data_files(checkpoint, new_files, restart_hint, report)
     return changed
+
+
+def _fingerprint(data: dict | str | None) -> str | None:
+    return data.get("fingerprint") if isinstance(data, dict) else data
+
+
+def _check_data_files(checkpoint: Path, files: dict, restart_hint: str, report: Callable[[str], None] | None) -> None:
+    """The data files, changed (path, size or modification time) since ``checkpoint``, against pack's digests."""
+    import torch.distributed as dist
+
+    from nemo_anchor.checksums import broadcast_from_first, say_once, verify_digests
+    from nemo_anchor.data.layout import METADATA_FILE
+
+    root = Path(files["path"])
+    recorded = json.loads((root / METADATA_FILE).read_text()).get("checksums")
+    if not isinstance(recorded, dict):
+        return  # packed before digests were recorded: its fingerprint covered the ends of its tokens
+    started = time.monotonic()
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    problems = broadcast_from_first(verify_digests(root, recorded) if first else None)  # rank 0 reads them
+    if problems:
+        raise ResumeRefused(f"cannot resume {checkpoint}: {problems[min(problems)]}: resume with the data it was "
+                            f"trained on, or {restart_hint.format(checkpoint=checkpoint)}")
+    size = sum(entry[0] for entry in recorded.values())
+    (report or say_once)(f"data.path={root}: its files moved or changed size or modification time since {checkpoint}"
+                         f"; read {len(recorded)} files ({size / 1e9:.3g} GB) again in "
+                         f"{time.monotonic() - started:.2f} s: they match the digests pack recorded")
+
+
+def data_record(path: str | Path) -> dict:
+    """What a checkpoint records of its training data: the dataset's :func:`dataset_fingerprint` and where its
+    files were, with their sizes and modification times (``{"path": ..., file: [bytes, mtime_ns]}``)."""
+    from nemo_anchor.data.layout import METADATA_FILE
+
+    root = Path(path).resolve()
+    recorded = json.loads((root / METADATA_FILE).read_text()).get("checksums")
+    names = sorted(recorded) if isinstance(recorded, dict) else []
+    files: dict[str, Any] = {"path": str(root)}
+    for name in names:
+        stat = (root / name).stat() if (root / name).is_file() else None
+        files[name] = [stat.st_size, stat.st_mtime_ns] if stat else None
+    return {"fingerprint": dataset_fingerprint(root), "files": files}
+
+
+OPTIM_KEYS = ("lr", "min_lr", "weight_decay", "clip_grad", "beta1", "beta2", "eps", "warmup_steps", "schedule")
+
+
+def run_record(megatron_config, *, data_path, valid_path, global_batch_size: int, micro_batch_size: int,
+               max_steps: int, optim: dict, default_architecture: str | None = None) -> dict:
+    """The record NeMo's and Bridge's front doors keep with their checkpoints and :func:`compare` on resume:
+    ``{"config": the run under nemo-anchor train's keys, "data": data_record}``.
+
+    ``megatron_config`` is the model's (Megatron-Core ``TransformerConfig`` fields); ``optim`` holds
+    :data:`OPTIM_KEYS` (a door without one passes None).
+    """
+    from nemo_anchor.convert.megatron_config import model_config_from_megatron
+
+    model = dataclasses.asdict(model_config_from_megatron(megatron_config, default_architecture=default_architecture))
+    model.update(tensor_model_parallel_size=getattr(megatron_config, "tensor_model_parallel_size", 1),
+                 context_parallel_size=getattr(megatron_config, "context_parallel_size", 1))
+    unknown = set(optim) - set(OPTIM_KEYS)
+    if unknown:
+        raise ValueError(f"run_record: unknown optim keys {sorted(unknown)}")
+    config = {
+        "model": model,
+        "data": {"path": str(data_path), "valid_path": valid_path and str(valid_path)},
+        "trainer": {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
+                    "max_steps": max_steps, "precision": "bf16" if megatron_config.bf16 else "fp32"},
+        "optim": {key: optim.get(key) for key in OPTIM_KEYS},
+    }
+    return {"config": config, "data": data_record(data_path)}
 
 
 def overrides_schedule(changed: dict, allow: list[str]) -> bool:
@@ -121,8 +208,6 @@ def dataset_fingerprint(path: str | Path) -> str:
     ``pack`` writes holds the XXH3-128 digest of every file of the split, computed from every byte as it was
     written, so two packings differing anywhere differ here; for a dataset packed before those were recorded,
     the first and last windows of its tokens stand in."""
-    import json
-
     from nemo_anchor.data.layout import METADATA_FILE, SEGMENT_STARTS_FILE, STATS_FILE, TOKENS_FILE
 
     root = Path(path)
