@@ -1,0 +1,105 @@
+"""Megatron-Bridge's front door holds the run's lease as `nemo-anchor train` does (.venv-bridge), as a user meets it:
+
+- a run whose lease another run took over stops before its next save, leaving the folder and the lease to
+  the other run;
+- ``run_guard.json`` describes the checkpoint a resume loads: a resume with an allowed change that dies
+  before its first save leaves the record of the checkpoint it started from.
+"""
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("megatron.bridge") is None:  # checked before nemo_anchor.bridge installs its shims
+    pytest.skip("Megatron-Bridge is not installed (scripts/setup_env.sh's .venv-bridge has it)", allow_module_level=True)
+
+from nemo_anchor.cli import main as cli  # noqa: E402
+from nemo_anchor.run_dir import LOCK_FILE  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4] * 8
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    """A `nemo-anchor train` YAML of a tiny model (random weights) on packed byte windows of 64 tokens."""
+    root = tmp_path_factory.mktemp("bridge_lease")
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    assert cli(["pack", "--input", str(root / "corpus.jsonl"), "--tokenizer", "byte", "--seq-length", "64",
+                "--output", str(root / "packed")]) == 0
+    path = root / "run.yaml"
+    path.write_text(json.dumps({
+        "output_dir": str(root / "unused"),
+        "model": {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2,
+                  "num_query_groups": 1, "seq_length": 64},
+        "data": {"path": str(root / "packed")},
+        "trainer": {"max_steps": 20000, "global_batch_size": 1, "micro_batch_size": 1, "precision": "fp32",
+                    "progress_bar": False, "eval_batches": 0},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "clip_grad": 1.0},
+    }))
+    return path
+
+
+def _start(config, save, *args):
+    """``python -m nemo_anchor.bridge.pretrain`` in its own process group."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen([sys.executable, "-m", "nemo_anchor.bridge.pretrain", "--config", str(config),
+                             f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops", "1", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_step(run, save: Path, step: int) -> None:
+    """Until ``metrics.jsonl`` shows ``step`` (the run is training), or the run ended."""
+    metrics = save / "metrics.jsonl"
+    while run.poll() is None:
+        rows = metrics.read_text().splitlines() if metrics.is_file() else []
+        if any(json.loads(row).get("step", 0) >= step for row in rows if '"loss"' in row):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the run ended before step {step}: {run.communicate()[0][-3000:]}")
+
+
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(config, tmp_path):
+    save = tmp_path / "run"
+    run = _start(config, save)  # 20000 steps of a few ms, saved at the end: still training when taken over
+    try:
+        _wait_for_step(run, save, 1)
+        intruder = json.dumps({"host": socket.gethostname(), "pid": 1, "pid_started": 1.0, "token": "another run"})
+        (save / LOCK_FILE).write_text(intruder)  # another run took the lease over (it looked expired)
+        out = run.communicate(timeout=600)[0]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode != 0, out[-3000:]
+    assert "another run took this run's lease over; this run stops at step" in out, out[-3000:]
+    assert (save / LOCK_FILE).read_text() == intruder  # the lease is the other run's, never written again
+    assert not list(save.glob("iter_*")), sorted(p.name for p in save.iterdir())  # nothing saved after the takeover
+
+
+def test_run_guard_json_describes_the_checkpoint_a_resume_loads(config, tmp_path):
+    save = tmp_path / "run"
+    first = _start(config, save, "train.train_iters=2")
+    out = first.communicate(timeout=600)[0]
+    assert first.returncode == 0, out[-3000:]
+    record = json.loads((save / "run_guard.json").read_text())
+    assert record["config"]["optim"]["clip_grad"] == 1.0
+    # a resume with an allowed change, killed (a node failure) after a step and before its first save
+    resumed = _start(config, save, "train.train_iters=20000", "optimizer.clip_grad=0.5",
+                     "--allow-change", "optim.clip_grad")
+    try:
+        _wait_for_step(resumed, save, 3)
+    finally:
+        os.killpg(resumed.pid, signal.SIGKILL)
+        resumed.communicate(timeout=60)
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002"]
+    after = json.loads((save / "run_guard.json").read_text())
+    assert after["config"]["optim"]["clip_grad"] == 1.0 and after == record  # it still describes iter_0000002
+    assert record["step"] == 2
