@@ -290,14 +290,13 @@ class RunLease:
                 self.record, self._renewed_at = record, time.monotonic()
                 return
             seen = self._snapshot()
-            if seen is None:  # gone meanwhile: try again at once
+            holder, problems = self._parse(seen[0]) if seen is not None else (None, [])
+            verdict, why = self._judge(holder, job, restart) if seen is not None else ("gone", "")
+            if verdict == "gone":  # removed meanwhile (or unreadable): try again
                 watched = None
-                continue
-            holder, problems = self._parse(seen[0])
-            verdict, why = self._judge(holder, job, restart)
-            if verdict == "refuse":
+            elif verdict == "refuse":
                 raise RunDirInUse(self._held_message(holder))
-            if verdict == "take":
+            elif verdict == "take":
                 if self._break(seen[0]):
                     self.took_over = f"{self._describe(holder)}: {why}"
                     watched = None

@@ -1,11 +1,13 @@
 """Our trainer's run guards on NeMo's ``llm.pretrain``, as Lightning callbacks in every recipe.
 
 - :class:`AnchorRunGuard`: one run per log directory (``nemo_anchor.run_dir.RunClaim``, the lock
-  ``nemo-anchor train`` takes on its output_dir); data packed with the model's tokenizer, checked
+  ``nemo-anchor train`` takes on its output_dir), held before every save: a run whose lease another
+  run took over stops without saving; data packed with the model's tokenizer, checked
   before the first step; and a resume (NeMo's ``AutoResume`` in the same ``log.log_dir``) that may
   not change the run, compared by ``nemo_anchor.training.resume`` as ``nemo-anchor train`` compares
   it: the model, data (by content: the packed dataset's fingerprint), optimizer and batch settings
-  are saved in every checkpoint (the callback's state) and a changed key is refused naming it and
+  (``nemo_anchor.training.resume.run_record``, the record Bridge's door keeps too) are saved in every
+  checkpoint (the callback's state) and a changed key is refused naming it and
   both values. ``allow_change`` is ``nemo-anchor train --allow-change``: the same keys
   (``optim.lr``, ``trainer.global_batch_size``, ``optim.clip_grad``...), set in a recipe as
   ``recipe.trainer.callbacks[1].allow_change = ["optim.lr"]``, or on NeMo-Run's command line as
