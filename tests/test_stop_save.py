@@ -28,6 +28,7 @@ from nemo_anchor.run_dir import RunDir, checkpoint_step
 from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training.config import load_config
 from nemo_anchor.training.loop import Trainer
+from test_checkpoint_saver import cuda_stand_in  # noqa: F401 - a fixture
 from tiny_runs import child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
 
 EXIT_PREEMPTED = 75
@@ -151,8 +152,12 @@ def _trainer(tmp_path, data, *overrides) -> Trainer:
     return Trainer(load_config(_config(tmp_path, data, "run", max_steps=10), list(overrides)))
 
 
-def test_a_stop_checkpoint_whose_files_changed_is_not_trusted_at_the_next_start(data, tmp_path, capsys):
-    trainer = _trainer(tmp_path, data)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_stop_checkpoint_whose_files_changed_is_not_trusted_at_the_next_start(asynchronous, data, tmp_path, capsys,
+                                                                               request):
+    if asynchronous:  # Megatron's asynchronous writer, as on GPUs (tests/test_checkpoint_saver.py)
+        request.getfixturevalue("cuda_stand_in")
+    trainer = _trainer(tmp_path, data, f"checkpoint.async_save={str(asynchronous).lower()}")
     try:
         for _ in range(2):
             trainer.train_step()
@@ -231,12 +236,13 @@ def test_a_stuck_checksum_pass_is_named_not_waited_for_forever(data, tmp_path, m
     release = threading.Event()
     crc32 = checksums.crc32_file
 
-    def hung_crc32(path):  # a read on a hung NFS server
-        release.wait(60)
+    def hung_crc32(path):  # a read on a hung NFS server (that comes back after a while)
+        if not release.wait(20):
+            release.set()
         return crc32(path)
 
     monkeypatch.setattr(checksums, "crc32_file", hung_crc32)
-    monkeypatch.setattr(ckpt, "WAIT_S", 1.0)
+    monkeypatch.setattr(ckpt, "WAIT_S", 1.0, raising=False)
     trainer = _trainer(tmp_path, data)
     try:
         trainer.train_step()

@@ -11,15 +11,23 @@ One checkpoint directory (layout: :mod:`nemo_anchor.run_dir`) holds
 - ``train``: step, scheduler and sampler state (small, replicated); ``rng``: each rank's RNG state.
 
 A checkpoint is written into ``checkpoints/.tmp.iter_*`` and renamed when every rank has finished,
-so a ``kill -9`` at any moment leaves the previous complete checkpoint; a full disk is named and
-the partial checkpoint removed (:func:`nemo_anchor.atomic.write_faults_named`). Its ``CHECKSUMS``
-manifest records every file's size and CRC-32.
+so a ``kill -9`` at any moment leaves the previous complete checkpoint (the next start removes the
+``.tmp.*`` folder, naming it); a full disk is named and the partial checkpoint removed
+(:func:`nemo_anchor.atomic.write_faults_named`). Its ``CHECKSUMS`` manifest records every file's size
+and CRC-32; the manifest, the rename and ``latest`` are flushed to the disk (fsync) where the file
+system supports it.
 
 Saving stays off the training loop's critical path (:class:`CheckpointSaver`): on GPUs the shards are
 written by Megatron's asynchronous ``dist_checkpointing`` save, scheduled on its ``AsyncCallsQueue``
 as NeMo's ``ckpt_async_save`` and Megatron-LM's training loop do; the CRC-32s are computed by a
 thread once the files are written. The checkpoint is renamed into place and named in ``latest`` only
-when both are done, checked between steps, before the next save and before the run ends.
+when both are done, checked between steps, before the next save and before the run ends. Old
+checkpoints are renamed away (``.deleting.*``) and deleted in the background after the ranks' barrier.
+
+A stop (SIGTERM...) must fit the scheduler's grace period (torchrun and Kubernetes send SIGKILL 30 s
+after SIGTERM): its checkpoint is written once and nothing of it is read back; its files' sizes are
+recorded in ``checksums.pending.json`` (:data:`PENDING`), and the next start of the run computes and
+records the CRC-32s (:func:`complete_pending`) before it trusts the checkpoint.
 
 Every read of a checkpoint verifies it first (:func:`verified_checkpoint`, :func:`pick_resumable`):
 a missing, truncated or corrupt file is named; given a run folder, the newest intact checkpoint is
