@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -79,7 +80,9 @@ if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-impo
         return forward(data_iterator, model)
 
     engine.megatron_forward_step = paused_forward_step
-    sys.exit(main())
+    status = main()
+    (events / ("exit_rank" + os.environ.get("RANK", "0"))).write_text(str(status))
+    sys.exit(status)
 '''
 
 
@@ -93,18 +96,31 @@ def _losses(run) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
-def _config(tmp_path, data, name: str, max_steps: int):
-    return tiny_config(tmp_path / name, data, max_steps=max_steps, global_batch_size=MICROBATCHES)
+def _config(tmp_path, data, name: str, max_steps: int, processes: int = 1):
+    return tiny_config(tmp_path / name, data, max_steps=max_steps, global_batch_size=MICROBATCHES * processes)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.mark.timeout(600)
-def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_anything_back(data, tmp_path, capsys):
+@pytest.mark.parametrize("processes", [1, 2], ids=["setsid", "torchrun"])
+def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_anything_back(processes, data, tmp_path,
+                                                                                           capsys):
+    """One process in its own session, SIGTERM to its group; or torchrun with two data-parallel ranks, SIGTERM to
+    torchrun, which forwards it to each worker's group (the ranks must leave the step at the same micro-batch)."""
     run, events = tmp_path / "run", tmp_path / "events"
     events.mkdir()
-    config = _config(tmp_path, data, "run", max_steps=1000)
+    config = _config(tmp_path, data, "run", max_steps=1000, processes=processes)
     script = tmp_path / "observed_train.py"
     script.write_text(_OBSERVED)
-    process = subprocess.Popen([sys.executable, str(script), "--config", str(config), "checkpoint.save_every=3"],
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
+        str(_free_port())]
+    process = subprocess.Popen([*launcher, str(script), "--config", str(config), "checkpoint.save_every=3"],
                                env=child_environment(EVENTS=str(events)), start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -113,13 +129,17 @@ def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_an
             assert process.poll() is None, process.communicate()[0][-3000:]
             assert time.time() < deadline, f"the run did not reach step {STOP_IN}"
             time.sleep(0.1)
-        os.killpg(process.pid, signal.SIGTERM)  # the whole group, as Slurm, Kubernetes and torchrun deliver it
+        if processes == 1:
+            os.killpg(process.pid, signal.SIGTERM)  # the whole group, as Slurm and Kubernetes deliver it
+        else:
+            process.send_signal(signal.SIGTERM)  # torchrun forwards it to each worker's process group
         output = process.communicate(timeout=180)[0]  # today's main waits here for the held checksum pass
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-    assert process.returncode == EXIT_PREEMPTED, output[-3000:]
+    statuses = {path.name: int(path.read_text()) for path in events.glob("exit_rank*")}
+    assert statuses == {f"exit_rank{rank}": EXIT_PREEMPTED for rank in range(processes)}, output[-3000:]
     completed = STOP_IN - 1
     checkpoints = RunDir(run).list_checkpoints()
     assert [checkpoint_step(path) for path in checkpoints] == [HELD, completed], output[-3000:]
@@ -143,7 +163,8 @@ def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_an
         assert not (path / ckpt.PENDING).exists()
         checksums.verify_files(path)
     reference = tmp_path / "reference"
-    assert main(["train", "--config", str(_config(tmp_path, data, "reference", max_steps=STOP_IN + 1))]) == 0
+    assert main(["train", "--config", str(_config(tmp_path, data, "reference", max_steps=STOP_IN + 1,
+                                                  processes=processes))]) == 0
     assert sorted(_losses(run)) == list(range(1, STOP_IN + 2))
     assert _losses(run) == pytest.approx(_losses(reference), rel=1e-5, abs=1e-6)
 
