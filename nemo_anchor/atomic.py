@@ -287,10 +287,13 @@ def _sigterm_raises() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
+def atomic_file(target: str | os.PathLike, *, durable: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary path beside ``target``; it replaces ``target`` only if the block succeeds.
 
-    The file is created with mode ``0o666`` less the umask, as ``open(target, "w")`` would.
+    The file is created with mode ``0o666`` less the umask, as ``open(target, "w")`` would. ``durable``: the
+    file's bytes and then the rename are flushed to the disk (:func:`fsync_file`, :func:`durable_replace`)
+    before the block returns, so that a crash of the machine never leaves an empty or an older ``target``
+    that was already reported written (what a checkpoint's ``latest`` and checksums need).
     """
     target = Path(target)
     tmp = _sibling(target, _STAGING)
@@ -298,7 +301,42 @@ def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         yield tmp
-        os.replace(tmp, target)
+        if durable:
+            fsync_file(tmp)
+            durable_replace(tmp, target)
+        else:
+            os.replace(tmp, target)
+
+
+# errno of an fsync the file system does not offer (some FUSE, SMB and object-store mounts refuse it on folders)
+_NO_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EISDIR}
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file's (or a folder's entries') bytes to the disk, where the file system supports it; an I/O
+    error is raised (the bytes may be lost), an fsync the file system does not offer is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    except OSError as error:
+        if error.errno in _NO_FSYNC or error.errno == errno.EACCES:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in _NO_FSYNC:
+            raise
+    finally:
+        os.close(fd)
+
+
+def durable_replace(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """``os.replace(source, target)`` (a file or a folder), the rename flushed to the disk: the folder holding
+    ``target`` (and ``source``'s, when another) is fsynced after it, where the file system supports it."""
+    os.replace(source, target)
+    folders = {Path(os.path.abspath(target)).parent, Path(os.path.abspath(source)).parent}
+    for folder in folders:
+        fsync_file(folder)
 
 
 # errno of the faults a write can meet that are the disk's or the folder's, not the data's

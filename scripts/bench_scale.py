@@ -3,6 +3,7 @@
     python scripts/bench_scale.py                 # both tables
     python scripts/bench_scale.py --steps 3 --seq-length 1024
     python scripts/bench_scale.py --steps 6 --save-every 2    # and what saving checkpoints costs the loop
+    python scripts/bench_scale.py --stop --layouts 1:1         # and how long a SIGTERM takes to exit
 
 Table 1: a small Llama-shaped model on this machine (gloo, one process per rank) at data parallel 1
 and 2 and tensor parallel 1 and 2: each rank's measured bytes of weights, gradients and optimizer
@@ -11,6 +12,11 @@ With ``--save-every N`` the same runs save a checkpoint every N steps through th
 ``CheckpointSaver``, and a second table gives, measured in that run, the time the loop was blocked per
 save beside the write's own time (until every shard was on disk), the time until the checkpoint was
 published (checksummed in the background, renamed, named latest) and the step time.
+With ``--stop``, a table for SIGTERM: a real ``nemo-anchor train`` of the same model (4 micro-batches a step,
+a checkpoint every 2 steps, synthetic data packed here) gets a SIGTERM to its process group after its first
+scheduled save, and the time from the signal to the process's exit (status 75) is printed beside a plain save's
+time (write, checksums, publish: ``Trainer.save`` then ``saver.finish()``, the same model and config, measured
+in another process of the same invocation). Both are wall-clock seconds on whatever else this machine runs.
 The last table: ``nemo-anchor plan`` for every file in configs/paper/ on the paper's hardware (8x H100 80GB:
 79.11 GiB usable, 5% left to the allocator), unfused and with Megatron's fusions.
 """
@@ -90,6 +96,91 @@ def worker(args) -> None:
                                "async_save": bool(saver and saver.asynchronous)}), flush=True)
 
 
+def _stop_config(root: Path, seq_length: int, output_dir: Path) -> Path:
+    """A trainer config for the bench model on synthetic bytes packed under ``root``; its path."""
+    import random
+
+    import yaml
+
+    from nemo_anchor.data import PackOptions, pack
+
+    data = root / "data"
+    if not data.exists():
+        rng = random.Random(0)
+        corpus = root / "corpus.jsonl"
+        corpus.write_text("".join(json.dumps({"text": "".join(rng.choice("abcdefgh ij.") for _ in range(3000))}) + "\n"
+                                  for _ in range(48)))
+        pack([corpus], "byte", data, PackOptions(seq_length=seq_length))
+    config = {"output_dir": str(output_dir), "data": {"path": str(data)},
+              "model": {**MODEL, "seq_length": seq_length, "vocab_size": VOCAB, "attention_backend": "cpu"},
+              "trainer": {"max_steps": 100_000, "global_batch_size": 4, "micro_batch_size": 1, "precision": "fp32",
+                          "progress_bar": False},
+              "checkpoint": {"save_every": 2, "keep_last": 1}}
+    path = root / f"{output_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def plain_save(config_path: str) -> None:
+    """Worker: two steps of the trainer, then one plain save, timed until published."""
+    from nemo_anchor.training.config import load_config
+    from nemo_anchor.training.loop import Trainer
+
+    trainer = Trainer(load_config(config_path))
+    try:
+        for _ in range(2):
+            trainer.train_step()
+        start = time.perf_counter()
+        trainer.save()
+        trainer.saver.finish()
+        total = time.perf_counter() - start
+        times = trainer.saver.times[-1]
+        size = sum(p.stat().st_size for p in trainer.run.checkpoint(2).rglob("*") if p.is_file())
+        print("ROW " + json.dumps({"total": total, "written": times.written, "bytes": size}), flush=True)
+    finally:
+        trainer.saver.close()
+        trainer._release(failed=False)
+
+
+def stop_table(args, env: dict) -> None:
+    """SIGTERM to a training run's process group: seconds to its exit, beside a plain save's."""
+    import shutil
+    import signal
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="bench_stop."))
+    try:
+        plain = subprocess.run([sys.executable, __file__, "--plain-save", str(_stop_config(root, args.seq_length,
+                                                                                            root / "plain"))],
+                               capture_output=True, text=True, env=env, check=True)
+        row = json.loads(re.search(r"ROW (\{[^{}]*\})", plain.stdout).group(1))
+        run = root / "stopped"
+        process = subprocess.Popen([sys.executable, "-m", "nemo_anchor.cli", "train", "--config",
+                                    str(_stop_config(root, args.seq_length, run))],
+                                   env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+        while not (run / "metrics.jsonl").is_file() or \
+                sum('"loss"' in line for line in (run / "metrics.jsonl").read_text().splitlines()) < 3:
+            if process.poll() is not None:
+                raise SystemExit(f"the training run ended before its third step:\n{process.stdout.read()[-3000:]}")
+            time.sleep(0.05)
+        signalled = time.perf_counter()
+        os.killpg(process.pid, signal.SIGTERM)
+        output = process.communicate()[0]
+        to_exit = time.perf_counter() - signalled
+        if process.returncode != 75:
+            raise SystemExit(f"the stopped run exited {process.returncode}:\n{output[-3000:]}")
+        stop_save = re.search(r"at step (\d+) in ([\d.]+) s", output)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\nSIGTERM to a training run (model {MODEL}, vocab {VOCAB}, window {args.seq_length}, 4 micro-batches a "
+          f"step; a checkpoint is {row['bytes'] / 2**20:.1f} MiB), seconds")
+    print(f"{'signal to exit':>14} {'of which stop save':>18} {'saved step':>10} {'plain save: write':>17} "
+          f"{'published':>9} {'ratio exit/plain':>16}")
+    print(f"{to_exit:>14.2f} {float(stop_save.group(2)):>18.2f} {stop_save.group(1):>10} {row['written']:>17.2f} "
+          f"{row['total']:>9.2f} {to_exit / row['total']:>16.2f}")
+
+
 def scale_table(args) -> None:
     print(f"Small model {MODEL}, window {args.seq_length}, {args.precision}, distributed optimizer; bytes per rank "
           f"(measured / planned)")
@@ -114,6 +205,8 @@ def scale_table(args) -> None:
         saves.append((name, rows[0]))
     if args.save_every:
         save_table(saves, args.save_every)
+    if args.stop:
+        stop_table(args, env)
 
 
 def save_table(runs, save_every: int) -> None:
@@ -156,6 +249,9 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="fp32: the faster matmul precision on CPUs without bf16 units")
+    parser.add_argument("--stop", action="store_true",
+                        help="also time a SIGTERM to a training run until its exit, beside a plain save")
+    parser.add_argument("--plain-save", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tensor", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--layouts", nargs="+", default=[f"{p}:{t}" for p, t in LAYOUTS],
@@ -166,6 +262,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.plain_save:
+        plain_save(args.plain_save)
         return
     scale_table(args)
     paper_table()

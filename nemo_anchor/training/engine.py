@@ -130,11 +130,24 @@ def _variable_microbatch_length(config: RunConfig) -> bool:
     return m.pipeline_model_parallel_size > 1 and pads_documents(m.attention_type, m.context_parallel_size)
 
 
-def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, forward_only: bool) -> torch.Tensor:
+def _microbatches(batches: list[dict], between: Callable[[], None] | None):
+    """``batches`` as Megatron's schedules draw them, one ``next()`` per micro-batch, ``between()`` called
+    before each but the first (it may raise to abandon the step)."""
+    for index, batch in enumerate(batches):
+        if index and between is not None:
+            between()
+        yield batch
+
+
+def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, forward_only: bool,
+                     between: Callable[[], None] | None = None) -> torch.Tensor:
     """Forward (and backward) every micro-batch; returns float64 ``[loss sum, loss tokens]`` over the world.
 
     ``batches`` are this rank's micro-batches (collated, context-parallel sharded, on the device).
     Gradients are reduced and divided by the global token count inside, via ``finalize_model_grads``.
+    ``between()`` runs before each micro-batch but the first; an exception it raises leaves the schedule
+    there (without pipeline parallelism every rank draws its micro-batches in the same order, so ranks
+    that agree in ``between`` leave at the same one, before the gradients of the last are reduced).
     """
     # Megatron's schedules take the full micro-batch length and divide it by the context- (and, with
     # sequence parallelism, tensor-) parallel size for the pipeline's send/recv shapes; batches hold
@@ -143,7 +156,7 @@ def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, 
     with bf16_matmuls_in_fp32(config.trainer.precision, batches[0]["tokens"].device):
         reported = get_forward_backward_func()(
             forward_step_func=megatron_forward_step,
-            data_iterator=iter(batches), model=[engine.model], num_microbatches=len(batches),
+            data_iterator=_microbatches(batches, between), model=[engine.model], num_microbatches=len(batches),
             seq_length=tokens_per_microbatch, micro_batch_size=1, forward_only=forward_only)
     totals = torch.zeros(2, dtype=torch.float64, device=batches[0]["tokens"].device)
     # the last stage reports; tensor-parallel ranks hold the same loss, so only one of them counts
@@ -154,12 +167,17 @@ def run_microbatches(engine: Engine, config: RunConfig, batches: list[dict], *, 
     return totals
 
 
-def train_step(engine: Engine, config: RunConfig, batches: list[dict]) -> dict:
-    """One optimizer step over this rank's micro-batches; the returned values are the same on every rank."""
+def train_step(engine: Engine, config: RunConfig, batches: list[dict],
+               between: Callable[[], None] | None = None) -> dict:
+    """One optimizer step over this rank's micro-batches; the returned values are the same on every rank.
+
+    ``between`` (see :func:`run_microbatches`) may abandon the step: the weights, the optimizer and the
+    schedule are then as the previous step left them (only the gradient buffers, cleared by the next step,
+    hold part of this one)."""
     engine.model.zero_grad_buffer()
     engine.optimizer.zero_grad()
+    totals = run_microbatches(engine, config, batches, forward_only=False, between=between)
     engine.scheduler.step(1)  # optimizer step k (1-based) runs at the schedule's lr for k
-    totals = run_microbatches(engine, config, batches, forward_only=False)
     updated, grad_norm, _ = engine.optimizer.step()
     if not updated:
         raise FloatingPointError("the optimizer skipped the step (non-finite gradients)")

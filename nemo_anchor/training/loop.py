@@ -34,6 +34,10 @@ from nemo_anchor.training.engine import Engine, build_engine, parameters_gathere
 from nemo_anchor.training.metrics import MetricsLogger
 
 
+class StepAbandoned(Exception):
+    """A stop agreed between the micro-batches of a step: the step is left unfinished, and not counted."""
+
+
 @dataclass
 class TrainSummary:
     output_dir: str
@@ -73,6 +77,8 @@ class Trainer:
                 f"data-parallel size = {t.micro_batch_size} x {self.ctx.data_parallel_size}")
         self.config.model.vocab_size = vocab_size
         self.data_fingerprint = resume.data_record(config.data.path)
+        # the stop flag is agreed between micro-batches on the CPU, so that asking never waits for the device
+        self._stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         self._claim = self._claim_output_dir()
         try:
             with checksums.verification(config.checkpoint.verify):  # the resumed checkpoint, model.init_from_hf's
@@ -83,6 +89,11 @@ class Trainer:
 
     def _start(self) -> None:
         config, t = self.config, self.config.trainer
+        self.saver = ckpt.CheckpointSaver(self.run, config.checkpoint.keep_last, config.checkpoint.save_every,
+                                          asynchronous=self._async_save())
+        if self.ctx.is_main:  # the lease holder: no other run writes into checkpoints/
+            for leftover in self.saver.remove_leftovers():
+                self._say(f"removing {leftover}, left by a save or a deletion that did not finish")
         resume_from = ckpt.pick_resumable(self.run, self._say) if config.checkpoint.resume else None
         schedule_from_config = resume_from is not None and self._check_resume(resume_from)
         start_from = None if resume_from else self._starting_weights()
@@ -102,8 +113,6 @@ class Trainer:
             self.step = int(state["step"])
             self.resumed_from = resume_from
         self.config_yaml = to_yaml(self.config)
-        self.saver = ckpt.CheckpointSaver(self.run, config.checkpoint.keep_last, config.checkpoint.save_every,
-                                          asynchronous=self._async_save())
         self._prepare_output_dir()
         if self.ctx.device.type == "cuda":
             self._warn_if_over_gpu_memory()
@@ -266,8 +275,11 @@ class Trainer:
             batch["loss_mask"] = batch["loss_mask"] * torch.tensor(weights, dtype=batch["loss_mask"].dtype)[:, None]
         return batch_for_this_rank(batch, self.config.model.attention_type, self.ctx.device)
 
-    def train_step(self) -> dict:
+    def train_step(self, stop: preemption.StopRequest | None = None) -> dict:
+        """One optimizer step. With ``stop``, the ranks agree on its flag between micro-batches; when set, the step
+        is abandoned (:class:`StepAbandoned`) and the run is as the previous step left it, to be saved."""
         t = self.config.trainer
+        before = self.sampler.consumed, ckpt.rng_state()
         windows = self.sampler.next_global_batch(t.global_batch_size)
         try:
             batches, unreadable = [self._load(self.dataset, micro) for micro in
@@ -279,7 +291,12 @@ class Trainer:
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, unreadable)
             raise ValueError(next(message for message in messages if message is not None))
-        record = train_step(self.engine, self.config, batches)
+        try:
+            record = train_step(self.engine, self.config, batches, self._stop_check(stop))
+        except StepAbandoned:
+            self.sampler.consumed = before[0]  # the windows of this step are the next step's again
+            ckpt.set_rng_state(before[1])
+            raise
         self.step += 1
         flops = throughput.global_batch_flops(self.config.model, self.config.model.vocab_size, self.dataset, windows)
         return {**record, "tokens": t.global_batch_size * self.config.model.seq_length, "flops": flops}
@@ -300,13 +317,29 @@ class Trainer:
         self.engine.model.train()
         return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
-    def save(self) -> Path:
+    def _stop_check(self, stop: preemption.StopRequest | None):
+        """What runs between micro-batches: every rank learns whether any was asked to stop, and all leave the
+        step at the same micro-batch. Pipeline stages run their micro-batches at different times (1F1B), so
+        there a stop waits for the step's end."""
+        if stop is None or self.ctx.sizes.pipeline > 1:
+            return None
+
+        def check() -> None:
+            flag = torch.tensor([int(stop.requested)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group)
+            if flag.item():
+                raise StepAbandoned
+
+        return check
+
+    def save(self, *, read_back: bool = True) -> Path:
         """Start saving this step's checkpoint (:class:`~nemo_anchor.training.checkpoint.CheckpointSaver`); returns
-        the directory it is published as, which ``self.saver.finish()`` waits for."""
+        the directory it is published as, which ``self.saver.finish()`` waits for. ``read_back=False`` (a stop):
+        written and published before it returns, nothing read back (its checksums are recorded by the next start)."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_fingerprint}
         # signals deferred: the writer processes Megatron starts and keeps must survive a group SIGTERM
         with parameters_gathered(self.engine), preemption.signals_deferred():
-            return self.saver.save(self.step, self.engine, state, self.config_yaml)
+            return self.saver.save(self.step, self.engine, state, self.config_yaml, read_back=read_back)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> TrainSummary:
@@ -315,7 +348,7 @@ class Trainer:
         released at the end."""
         try:
             summary = self._fit()
-            self.saver.close()
+            self.saver.close(wait_for_deletions=not summary.stopped_by_signal, report=self._say)
         except BaseException:
             self._release(failed=True)
             raise
@@ -335,7 +368,12 @@ class Trainer:
         with preemption.StopRequest() as stop:
             while self.step < t.max_steps:
                 step_start = time.perf_counter()
-                last = self.train_step()
+                try:
+                    last = self.train_step(stop)
+                except StepAbandoned:  # stopped between micro-batches: the last completed step is saved
+                    saved = self._stop_now(saved, stop, logger)
+                    stopped = True
+                    break
                 self.saver.poll()  # a checkpoint written and checksummed meanwhile is published
                 elapsed = time.perf_counter() - step_start
                 flops = last.pop("flops")
@@ -352,16 +390,13 @@ class Trainer:
                         logger.log_eval(self.step, {"valid_loss": valid_loss})
                 stop_now, lease_lost = self._agree(stop.requested, self._lease_lost())
                 if lease_lost:  # another run writes into output_dir now: this one must not write another byte
-                    raise RunDirInUse(f"output_dir {self.run.root}: another run took this run's lease over; this run "
-                                      f"stops at step {self.step} without saving")
-                if stop_now or (c.save_every and self.step % c.save_every == 0):
-                    saved = self.save()
+                    raise RunDirInUse(self._lease_lost_message())
                 if stop_now:
+                    saved = self._stop_now(saved, stop, logger, agreed=True)
                     stopped = True
-                    self.saver.finish()
-                    logger.write(f"stop requested ({stop.signal_name or 'by another rank'}): saved {saved} at step "
-                                 f"{self.step}; run the same command again to resume")
                     break
+                if c.save_every and self.step % c.save_every == 0:
+                    saved = self.save()
         if not stopped and (saved is None or checkpoint_step(saved) != self.step):
             saved = self.save()
         self.saver.finish()  # the last checkpoint is published before the run reports it
@@ -373,6 +408,26 @@ class Trainer:
                                str(saved) if saved else None, tokens_seen / wall if wall > 0 else 0.0, stopped)
         logger.close()
         return summary
+
+    def _stop_now(self, saved: Path | None, stop: preemption.StopRequest, logger: MetricsLogger, *,
+                  agreed: bool = False) -> Path:
+        """Save the step reached for a stop, within the grace period: written once, nothing read back, no wait for
+        the checksums of an earlier save; returns the checkpoint."""
+        stopped_at = time.perf_counter()
+        if not agreed and self._agree(self._lease_lost())[0]:
+            raise RunDirInUse(self._lease_lost_message())
+        if saved is None or checkpoint_step(saved) != self.step:
+            saved = self.save(read_back=False)
+        else:  # this step's checkpoint is the resumed one, or the one in flight
+            self.saver.finish(read_back=False)
+        logger.write(f"stop requested ({stop.signal_name or 'by another rank'}): saved {saved} at step {self.step} "
+                     f"in {time.perf_counter() - stopped_at:.1f} s (its checksums are recorded when the run "
+                     f"resumes); run the same command again to resume")
+        return saved
+
+    def _lease_lost_message(self) -> str:
+        return (f"output_dir {self.run.root}: another run took this run's lease over; this run stops at step "
+                f"{self.step} without saving")
 
     def _state_bytes_per_rank(self) -> dict[str, list[int]]:
         measured = memory.state_bytes(self.engine)
