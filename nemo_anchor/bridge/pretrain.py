@@ -83,11 +83,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="keys a resume may change, as nemo-anchor train --allow-change (optim.lr, ...)")
     parser.add_argument("overrides", nargs="*", help="ConfigContainer overrides, key=value")
     args = parser.parse_intermixed_args(argv)
-    config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
-    apply_overrides(config, args.overrides)
     try:
+        config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
+        apply_overrides(config, args.overrides)
         launch.resolve_bridge_config(config)  # this process's devices decide what the recipe left to them
-    except launch.CudaExpected as error:
+    except launch.CudaExpected as error:  # a GPU job that sees no GPU: one line, before anything is written
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     allow_change = [key for value in args.allow_change for key in value.split(",") if key]
     with run_guard.claimed(config):  # nemo-anchor train's lock, resume comparison, tokenizer check and exit status
