@@ -8,7 +8,9 @@
 Overrides name Bridge's ``ConfigContainer`` fields (``model.num_layers=2``, ``train.global_batch_size=2``,
 ``optimizer.lr=1e-3`` ...), plus ``dataset.path``, a ``nemo-anchor pack`` directory. Under torchrun
 each process is one rank (gloo on the CPU), in any data, tensor, pipeline and context-parallel layout. ``metrics.jsonl`` is written under ``checkpoint.save``;
-with ``checkpoint.load`` pointing there too, running the same command again resumes.
+with ``checkpoint.load`` pointing there too, running the same command again resumes. SIGTERM, SIGINT and
+SIGUSR1 save and exit 75 (``nemo_anchor.bridge.preemption``); a job that expects CUDA and sees none stops first
+with one line (``nemo_anchor.launch.cuda``; ``NEMO_ANCHOR_ALLOW_CPU=1`` trains on the CPU).
 """
 from __future__ import annotations
 
