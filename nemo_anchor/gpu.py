@@ -136,23 +136,3 @@ def apex_gradient_accumulation() -> tuple[ModuleType | None, str | None]:
     """
     return _import("fused_weight_gradient_mlp_cuda")
 
-
-def transformer_engine_kernels() -> bool:
-    """Whether Megatron's Transformer Engine kernels (fused RoPE, fused weight-gradient accumulation) can run."""
-    return torch.cuda.is_available() and transformer_engine_pytorch()[0] is not None
-
-
-def gradient_accumulation_fusion() -> bool:
-    """Whether Megatron's ``gradient_accumulation_fusion`` can run: TE's kernels and apex's extension."""
-    return transformer_engine_kernels() and apex_gradient_accumulation()[0] is not None
-
-
-# Megatron's fusions that Megatron-LM's and NeMo's Llama recipes run on GPUs
-FUSIONS = ("bias_activation_fusion", "cross_entropy_loss_fusion", "persist_layer_norm", "apply_rope_fusion")
-
-
-def fusions(*, rope_allowed: bool) -> dict[str, bool]:
-    """Each of :data:`FUSIONS` as this process's devices decide: on with CUDA and Transformer Engine
-    (RoPE's only where ``rope_allowed``: :func:`nemo_anchor.model.rope.rope_fusion_allowed`)."""
-    on = transformer_engine_kernels()
-    return {name: on and (name != "apply_rope_fusion" or rope_allowed) for name in FUSIONS}

@@ -4,35 +4,142 @@ Cluster users build a NeMo-Run recipe or a Megatron-Bridge ``ConfigContainer`` o
 GPUs and train it elsewhere. So the recipes leave every device-dependent setting unset (``None``) and
 the training process fills it here from the devices it sees:
 
-- Megatron-LM's Llama-recipe fusions (:data:`nemo_anchor.gpu.FUSIONS`): on with CUDA and Transformer Engine, RoPE's
-  only where :func:`~nemo_anchor.model.rope.rope_fusion_allowed`; off on the CPU;
+- whether it trains on CUDA at all (:func:`cuda`): where CUDA is expected (``CUDA_VISIBLE_DEVICES``
+  names devices, Slurm allocated GPUs, or the run asks for them) and torch sees no device, every
+  front door stops before its first step, naming torch's own reason; the CPU then takes
+  ``NEMO_ANCHOR_ALLOW_CPU=1``. Where nothing expects CUDA, no device means the CPU;
+- Megatron's fusions (:data:`FUSIONS`) and CPU initialisation (:data:`DECIDED_AT_LAUNCH`, :func:`model_settings`):
+  the fusions of Megatron-LM's Llama recipes on with CUDA and Transformer Engine (RoPE's only where
+  :func:`~nemo_anchor.model.rope.rope_fusion_allowed`, weight-gradient accumulation only with apex's
+  extension), off elsewhere;
 - gradient reduction overlapped with the backward and the distributed optimizer's parameter
   all-gather with the next forward, and asynchronous checkpoint saves: with CUDA;
 - bf16 mixed precision with CUDA, fp32 on the CPU (the NeMo and Bridge front doors; ``nemo-anchor
   train`` takes ``trainer.precision`` as written);
 - the process-group backend: NCCL with CUDA, gloo without.
 
-A value the user set is kept. What the CPU cannot run at all is turned off whatever was asked:
-Transformer Engine's fused RoPE and persistent norm without TE, weights allocated on a GPU without CUDA.
+A value the user set is kept. What this process has no kernel for is turned off whatever was asked, and
+without CUDA the weights are allocated on the CPU.
 """
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
 from nemo_anchor import gpu
 from nemo_anchor.model.rope import rope_fusion_allowed
 
-# fused kernels that only Transformer Engine provides (Megatron's local spec computes the same unfused)
-_TE_ONLY = ("apply_rope_fusion", "persist_layer_norm")
+logger = logging.getLogger(__name__)
+
+# the documented choice of the CPU where CUDA is expected
+ALLOW_CPU = "NEMO_ANCHOR_ALLOW_CPU"
+# Slurm's GPU requests ([type:]count, comma-separated) and allocations (device indices)
+_SLURM_GPU_COUNTS = ("SLURM_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK")
+_SLURM_GPU_IDS = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+
+# Megatron's fusions that Megatron-LM's and NeMo's Llama recipes run on GPUs
+FUSIONS = ("bias_activation_fusion", "cross_entropy_loss_fusion", "persist_layer_norm", "apply_rope_fusion",
+           "gradient_accumulation_fusion")
+# what every front door's recipes leave unset and the training process decides (model_settings)
+DECIDED_AT_LAUNCH = (*FUSIONS, "use_cpu_initialization")
 
 
-def cuda() -> bool:
-    """Whether this process sees a CUDA device."""
-    return torch.cuda.is_available()
+class CudaExpected(ValueError):
+    """CUDA is expected in this process and torch sees no device (bad input for the command: one line)."""
+
+
+def cuda_expected(asked_by: str | None = None) -> str | None:
+    """What expects CUDA in this process (``NAME=value``), or None.
+
+    ``asked_by``: a setting of the run that asks for GPUs, named by its front door (NeMo's
+    ``trainer.accelerator=gpu``, Bridge's ``dist.distributed_backend=nccl``). Else ``CUDA_VISIBLE_DEVICES``
+    naming a device (empty, ``-1`` or ``NoDevFiles`` hide them all: the CPU chosen), else Slurm's GPUs.
+    """
+    if asked_by:
+        return asked_by
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        first = visible.split(",")[0].strip()
+        hidden = not first or first.startswith("-") or first == "NoDevFiles"
+        return None if hidden else f"CUDA_VISIBLE_DEVICES={visible}"
+    for name in _SLURM_GPU_COUNTS:
+        counts = [item.rpartition(":")[2].strip() for item in os.environ.get(name, "").split(",")]
+        if any(count.isdigit() and int(count) > 0 for count in counts):
+            return f"{name}={os.environ[name]}"
+    for name in _SLURM_GPU_IDS:
+        if os.environ.get(name, "").strip():
+            return f"{name}={os.environ[name]}"
+    return None
+
+
+def cpu_chosen() -> bool:
+    """Whether ``NEMO_ANCHOR_ALLOW_CPU`` chooses the CPU where CUDA is expected (1/true/yes; 0/false/no/unset: not)."""
+    value = os.environ.get(ALLOW_CPU, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"{ALLOW_CPU}={os.environ[ALLOW_CPU]!r}: set it to 1 to train on the CPU where CUDA is "
+                     f"expected, or leave it unset")
+
+
+def _cuda_error() -> str:
+    """torch's own reason for seeing no device: ``torch.cuda.is_available()`` hides it, ``torch.cuda.init()`` raises it."""
+    try:
+        torch.cuda.init()
+    except Exception as error:  # noqa: BLE001 - whatever torch raises is the reason to report
+        reason = f"{type(error).__name__}: {error}"
+    else:
+        reason = f"torch.cuda.device_count() is {torch.cuda.device_count()}"
+    return " ".join(f"{reason} (torch {torch.__version__})".split())
+
+
+_cpu_announced = False
+
+
+def cuda(asked_by: str | None = None) -> bool:
+    """Whether this process trains on CUDA: torch sees a device.
+
+    Raises:
+        CudaExpected: CUDA is expected here (:func:`cuda_expected`) and torch sees no device, and
+            ``NEMO_ANCHOR_ALLOW_CPU`` does not choose the CPU: one line naming what expects CUDA and torch's reason.
+        ValueError: ``NEMO_ANCHOR_ALLOW_CPU`` has another value than 1/true/yes/0/false/no.
+    """
+    global _cpu_announced
+    allowed = cpu_chosen()
+    if torch.cuda.is_available():
+        return True
+    expected = cuda_expected(asked_by)
+    if expected and not allowed:
+        raise CudaExpected(f"CUDA is expected here ({expected}) but torch sees no CUDA device: {_cuda_error()}; "
+                           f"run where the GPUs are visible, or set {ALLOW_CPU}=1 to train on the CPU (fp32 over gloo)")
+    if expected and not _cpu_announced:
+        logger.warning("CUDA is expected here (%s) but torch sees no CUDA device; %s=1: training on the CPU",
+                       expected, ALLOW_CPU)
+        _cpu_announced = True
+    return False
+
+
+def model_settings(*, rope_allowed: bool) -> dict[str, bool]:
+    """Each of :data:`DECIDED_AT_LAUNCH` as this process's devices decide: the fusions on where CUDA and
+    Transformer Engine's kernels are (RoPE's only where ``rope_allowed``; weight-gradient accumulation also
+    needs apex's ``fused_weight_gradient_mlp_cuda``, which Megatron's own linear layers require for it),
+    CPU initialisation without CUDA."""
+    on_gpu = cuda()
+    kernels = on_gpu and gpu.transformer_engine_pytorch()[0] is not None
+    settings = {name: kernels for name in FUSIONS}
+    settings["apply_rope_fusion"] = kernels and rope_allowed
+    settings["gradient_accumulation_fusion"] = kernels and gpu.apex_gradient_accumulation()[0] is not None
+    settings["use_cpu_initialization"] = not on_gpu
+    return settings
 
 
 def resolve_model_config(config) -> None:
-    """Fill a Megatron ``TransformerConfig``'s unset fusions (None) and its CPU initialisation in place.
+    """Fill a Megatron ``TransformerConfig``'s (or provider's) :data:`DECIDED_AT_LAUNCH` in place: an unset
+    (None) one as :func:`model_settings` decides, a fusion this process has no kernel for off, and CPU
+    initialisation without CUDA, whatever was asked.
 
     Raises:
         ValueError: ``apply_rope_fusion`` set on a model whose RoPE the fused kernel gets wrong (YaRN, ``rope_in_fp32``).
@@ -41,14 +148,11 @@ def resolve_model_config(config) -> None:
     if config.apply_rope_fusion and not allowed:
         raise ValueError("apply_rope_fusion=True with YaRN or rope_in_fp32: Megatron's fused THD RoPE drops YaRN's "
                          "attention scaling, and rope_in_fp32 asks for the unfused fp32 rotation; leave it unset")
-    for name, value in gpu.fusions(rope_allowed=allowed).items():
-        if getattr(config, name) is None:
-            setattr(config, name, value)
-    if gpu.transformer_engine_pytorch()[0] is None:
-        for name in _TE_ONLY:
-            setattr(config, name, False)
-    if not cuda():
-        config.use_cpu_initialization = True  # Megatron would otherwise allocate the weights on a GPU
+    settings = model_settings(rope_allowed=allowed)
+    for name in FUSIONS:
+        setattr(config, name, settings[name] and getattr(config, name) is not False)
+    if settings["use_cpu_initialization"] or config.use_cpu_initialization is None:
+        config.use_cpu_initialization = settings["use_cpu_initialization"]
 
 
 def resolve_ddp_config(ddp) -> None:
@@ -83,19 +187,15 @@ def resolve_bridge_config(config) -> None:
 
     ``mixed_precision`` and ``dist.distributed_backend`` "auto", the DDP overlaps and
     ``checkpoint.async_save`` None (``nemo_anchor.bridge.recipes`` leaves them so). The model's
-    choices are the provider's ``finalize()``, which ``pretrain()`` calls.
+    choices are the provider's ``finalize()``, which ``pretrain()`` calls. A ``distributed_backend``
+    of "nccl" asks for GPUs (:func:`cuda`).
     """
+    asked = "dist.distributed_backend=nccl" if config.dist.distributed_backend == "nccl" else None
+    on_gpu = cuda(asked_by=asked)
     if config.mixed_precision == AUTO:
-        config.mixed_precision = "bf16_mixed" if cuda() else None
+        config.mixed_precision = "bf16_mixed" if on_gpu else None
     if config.dist.distributed_backend == AUTO:
         config.dist.distributed_backend = backend()
-    from megatron.core.optimizer import distrib_optimizer
-
-    if not distrib_optimizer.HAVE_APEX_OR_TE:
-        # megatron-core 0.19's distributed optimizer over torch's Adam (no Apex or TE Adam, as on the CPU) does not
-        # reload its state exactly (its sharded_state_dict(is_loading=True), distrib_optimizer.py:1532, needs the
-        # state to exist first; allocated at step 0 a 3-step run resumed to 6 left step 5 off): the plain optimizer
-        config.optimizer.use_distributed_optimizer = config.ddp.use_distributed_optimizer = False
     resolve_ddp_config(config.ddp)
     if config.checkpoint.async_save is None:
         config.checkpoint.async_save = async_save() and config.checkpoint.save is not None

@@ -8,7 +8,9 @@
 Overrides name Bridge's ``ConfigContainer`` fields (``model.num_layers=2``, ``train.global_batch_size=2``,
 ``optimizer.lr=1e-3`` ...), plus ``dataset.path``, a ``nemo-anchor pack`` directory. Under torchrun
 each process is one rank (gloo on the CPU), in any data, tensor, pipeline and context-parallel layout. ``metrics.jsonl`` is written under ``checkpoint.save``;
-with ``checkpoint.load`` pointing there too, running the same command again resumes.
+with ``checkpoint.load`` pointing there too, running the same command again resumes. SIGTERM, SIGINT and
+SIGUSR1 save and exit 75 (``nemo_anchor.bridge.preemption``); a job that expects CUDA and sees none stops first
+with one line (``nemo_anchor.launch.cuda``; ``NEMO_ANCHOR_ALLOW_CPU=1`` trains on the CPU).
 """
 from __future__ import annotations
 
@@ -16,19 +18,18 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
 from nemo_anchor import launch
 from nemo_anchor.atomic import copy_directory_once
 from nemo_anchor.bridge import run_guard
 from nemo_anchor.bridge.convert import HF_REFERENCE
+from nemo_anchor.bridge.preemption import stopping_as_every_door
 from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
 from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
 from nemo_anchor.model.vocab import padded_vocab_size
 from nemo_anchor.parallel.context_parallel import pads_documents
 from nemo_anchor.training.config import load_config
-from nemo_anchor.training.preemption import signals_deferred
 
 
 def apply_overrides(config, overrides: list[str]) -> None:
@@ -84,9 +85,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="keys a resume may change, as nemo-anchor train --allow-change (optim.lr, ...)")
     parser.add_argument("overrides", nargs="*", help="ConfigContainer overrides, key=value")
     args = parser.parse_intermixed_args(argv)
-    config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
-    apply_overrides(config, args.overrides)
-    launch.resolve_bridge_config(config)  # this process's devices decide what the recipe left to them
+    try:
+        config = get_recipe(args.recipe) if args.recipe else from_run_config(load_config(args.config))
+        apply_overrides(config, args.overrides)
+        launch.resolve_bridge_config(config)  # this process's devices decide what the recipe left to them
+    except launch.CudaExpected as error:  # a GPU job that sees no GPU: one line, before anything is written
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     allow_change = [key for value in args.allow_change for key in value.split(",") if key]
     with run_guard.claimed(config) as claim:  # nemo-anchor train's lock, resume comparison, tokenizer check, exit status
         prepare(config)
@@ -97,18 +101,18 @@ def main(argv: list[str] | None = None) -> None:
 def _pretrain(config, callbacks: list) -> None:
     from megatron.bridge.training.pretrain import pretrain
 
-    if not torch.cuda.is_available():
-        # The writer's result queue is a multiprocessing Manager, started with "spawn" on a synchronous
-        # save (filesystem_async.py:200): a fresh interpreter that imports this whole stack again, 20-40 s
-        # per run here. Bridge creates it with checkpoint.async_write_results_mp_mode ("fork") for async
-        # saves (training/state.py:432); do the same first.
-        from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
+    # SIGTERM, SIGINT and SIGUSR1 save and stop, the processes Bridge starts survive a group signal, and the
+    # distributed optimizer resumes exactly over torch's Adam (nemo_anchor.bridge.preemption)
+    with stopping_as_every_door(config) as signals_held:
+        if not launch.cuda():
+            # The writer's result queue is a multiprocessing Manager, started with "spawn" on a synchronous
+            # save (filesystem_async.py:200): a fresh interpreter that imports this whole stack again, 20-40 s
+            # per run here. Bridge creates it with checkpoint.async_write_results_mp_mode ("fork") for async
+            # saves (training/state.py:432); do the same first.
+            from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
-        # its Manager process is started with the stop signals held back, so a signal to the whole process
-        # group leaves it alive for the exit-signal save (as nemo-anchor train's saves do)
-        with signals_deferred():
             get_write_results_queue(config.checkpoint.async_write_results_mp_mode)
-    pretrain(config, anchor_forward_step, callbacks=callbacks)
+        pretrain(config, anchor_forward_step, callbacks=[*callbacks, signals_held])
 
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@ Transformer Engine's linear and norm modules where TE imports, Megatron's local 
 and the same final norm. What the devices decide (Megatron's fusions, CPU initialisation) is left
 unset in the provider, so that a recipe prints the same wherever it is built, and decided in
 :meth:`~AnchorGPTModelProvider.finalize`, which Bridge's ``pretrain()`` calls in the training process
-(``nemo_anchor.launch``). Without TE the fused kernels do not exist, so they are turned off (each
-computes what its unfused path computes); without CUDA the weights are initialised on the CPU.
+(``nemo_anchor.launch``, as for the other front doors).
 """
 from __future__ import annotations
 
@@ -20,18 +19,16 @@ from megatron.bridge.models.gpt_provider import GPTModelProvider
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nemo_anchor import gpu, launch
+from nemo_anchor import launch
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.gpt import transformer_config
 from nemo_anchor.model.spec import get_block_spec
 from nemo_anchor.training.mixin import AnchorConfigMixin, anchor_layer_spec
 
-# fused kernels that only Transformer Engine / apex / CUDA provide
-_FUSIONS = ("apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion", "bias_activation_fusion",
-            "masked_softmax_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion")
-
-# left unset by the recipes (finalize() decides them): the building machine's values must not travel
-_DECIDED_AT_LAUNCH = (*gpu.FUSIONS, "use_cpu_initialization")
+# fixed by the model, as in nemo-anchor train's: AnchorCoreAttention computes its own softmax, and there are no biases
+_FIXED = ("masked_softmax_fusion", "bias_dropout_fusion")
+# not taken from another provider: the building machine's device choices must not travel, nor its fixed fields
+_NOT_COPIED = (*launch.DECIDED_AT_LAUNCH, *_FIXED)
 
 
 def anchor_block_spec(config: "AnchorGPTModelProvider", vp_stage: int | None = None):
@@ -54,6 +51,8 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
     # the loss is a sum over tokens divided by the global batch's token count, as in our trainer
     calculate_per_token_loss: bool = True
     transformer_layer_spec: Union[ModuleSpec, Callable] = anchor_block_spec
+    masked_softmax_fusion: bool = False
+    bias_dropout_fusion: bool = False
     devices_decided_at_construction: ClassVar[bool] = False  # in finalize()
 
     def finalize(self) -> None:
@@ -65,9 +64,6 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
         its own in-batch packing (``models/transformer_config.py:184-189``), and so does this.
         """
         launch.resolve_model_config(self)
-        if gpu.transformer_engine_pytorch()[0] is None:
-            for flag in _FUSIONS:
-                setattr(self, flag, False)
         variable = self.variable_seq_lengths and not self.num_moe_experts
         self.variable_seq_lengths = self.variable_seq_lengths and not variable
         super().finalize()
@@ -89,7 +85,7 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
         """The provider of the model ``nemo-anchor train`` builds for our ``model:`` section ``cfg``."""
         ours = transformer_config(cfg, bf16=bf16)
         fields = {f.name: getattr(ours, f.name) for f in dataclasses.fields(TransformerConfig)
-                  if f.init and f.name not in _DECIDED_AT_LAUNCH}
+                  if f.init and f.name not in launch.DECIDED_AT_LAUNCH}
         yarn = {k: getattr(ours, k) for k in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
                                               "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
                                               "yarn_correction_range_round_to_int")} if cfg.rope_scaling == "yarn" else {}
@@ -115,5 +111,5 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
             raise ValueError(f"{type(provider).__name__} is not a plain GPTModelProvider: AnchorAttention supports "
                              f"Llama-shaped dense GPTs (Llama, Mistral, Qwen2, SmolLM2)")
         fields = {f.name: getattr(provider, f.name) for f in dataclasses.fields(GPTModelProvider)
-                  if f.init and f.name != "transformer_layer_spec" and f.name not in _DECIDED_AT_LAUNCH}
+                  if f.init and f.name != "transformer_layer_spec" and f.name not in _NOT_COPIED}
         return cls(**fields, attention_type=attention_type)

@@ -13,7 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
-from nemo_anchor import gpu
+from nemo_anchor import launch
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.packed_seq import make_packed_seq_params
 from nemo_anchor.model.rope import install_rope_precision_hook, rope_fusion_allowed
@@ -54,9 +54,10 @@ def _recompute_settings(cfg: ModelConfig) -> dict:
     return {}
 
 
-def transformer_config(cfg: ModelConfig, *, bf16: bool = False,
-                       gradient_accumulation_fusion: bool = False) -> AnchorTransformerConfig:
-    """Megatron's config of the model; ``gradient_accumulation_fusion`` needs Megatron's DDP (its ``main_grad``)."""
+def transformer_config(cfg: ModelConfig, *, bf16: bool = False) -> AnchorTransformerConfig:
+    """Megatron's config of the model, with what this process's devices decide (``nemo_anchor.launch``: the
+    fusions of Megatron-LM's Llama recipes on a GPU with Transformer Engine, RoPE's where it is exact; the
+    fused weight-gradient accumulation writes Megatron's DDP's ``main_grad``, which every door trains with)."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     return AnchorTransformerConfig(
         num_layers=cfg.num_layers,
@@ -77,13 +78,10 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False,
         bf16=bf16,
         params_dtype=torch.float32,  # built in fp32; bf16 runs wrap the model in Megatron's Float16Module
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
-        # Megatron-LM's Llama-recipe fusions where CUDA and TE are present, RoPE's where it is exact
-        **gpu.fusions(rope_allowed=rope_fusion_allowed(cfg)),
-        masked_softmax_fusion=False,
+        **launch.model_settings(rope_allowed=rope_fusion_allowed(cfg)),
+        masked_softmax_fusion=False,  # the core attention computes its own softmax
         bias_dropout_fusion=False,
-        gradient_accumulation_fusion=gradient_accumulation_fusion,
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
         pipeline_model_parallel_size=pp,

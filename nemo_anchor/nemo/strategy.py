@@ -7,6 +7,9 @@ asynchronous checkpoint saves and overlapped gradient reduction / parameter all-
 bf16 mixed precision with CUDA and fp32 without, and Megatron's fully parallel checkpoint load
 (CUDA only: megatron/core/dist_checkpointing/exchange_utils.py:98-110). A value set in the recipe or
 its YAML is kept.
+
+The strategy also resumes Megatron-Core's distributed optimizer over torch's Adam (no Apex or TE Adam,
+on any device) exactly, through :mod:`nemo_anchor.training.optimizer_state` as the other front doors do.
 """
 import inspect
 from typing import Optional
@@ -17,6 +20,7 @@ from nemo import lightning as nl
 from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
 
 from nemo_anchor import launch
+from nemo_anchor.training import optimizer_state
 from nemo_anchor.training.preemption import signals_deferred
 
 
@@ -36,6 +40,28 @@ class AnchorMegatronStrategy(nl.MegatronStrategy):
         preemption save after it still works (:func:`nemo_anchor.training.preemption.signals_deferred`)."""
         with signals_deferred():
             return super().save_checkpoint(*args, **kwargs)
+
+    def optimizer_sharded_state_dict(self, is_loading: bool = False, **kwargs):
+        """NeMo's, with torch Adam's state created before a load builds what it loads into
+        (NeMo calls this from ``megatron_strategy.py:1171``; :func:`optimizer_state.create_state_for_load`)."""
+        if is_loading:
+            optimizer_state.create_state_for_load(self._megatron_optimizers())
+        return super().optimizer_sharded_state_dict(is_loading=is_loading, **kwargs)
+
+    def load_optimizer_state_dict(self, *args, **kwargs) -> None:
+        """NeMo's, without autograd (fp32 parameters are their own masters: the load writes in place into views
+        of leaf parameters, ``distrib_optimizer.py:940`` in megatron-core 0.16.1), then each parameter its own
+        Adam step, at the restored global step (:func:`optimizer_state.give_each_parameter_its_adam_step`)."""
+        with torch.no_grad():
+            super().load_optimizer_state_dict(*args, **kwargs)
+        if optimizer_state.torch_adam():
+            optimizer_state.give_each_parameter_its_adam_step(self._megatron_optimizers(), self.trainer.global_step)
+
+    def _megatron_optimizers(self) -> list:
+        """The Megatron-Core optimizers behind this strategy's NeMo optimizers."""
+        optimizers = self.lightning_module.optimizers(use_pl_optimizer=False)
+        return [getattr(optimizer, "mcore_optimizer", optimizer)
+                for optimizer in (optimizers if isinstance(optimizers, list) else [optimizers])]
 
     def connect(self, model) -> None:
         super().connect(model)  # gives the DDP config the optimizer's use_distributed_optimizer

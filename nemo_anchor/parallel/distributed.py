@@ -80,12 +80,15 @@ def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234, *, ten
 
     Under torchrun the environment gives rank and world size; otherwise this is a world of one.
     Re-initialises Megatron's groups when the requested sizes differ from the current ones.
+    Where CUDA is expected and torch sees none, raises :class:`nemo_anchor.launch.CudaExpected` first.
     """
     from megatron.core import parallel_state, tensor_parallel
 
+    from nemo_anchor import launch
+
     install_cpu_shims()
     sizes = ParallelSizes(tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
-    cuda = torch.cuda.is_available()
+    cuda = launch.cuda()  # stops where CUDA is expected and absent, unless the CPU was chosen
     if not dist.is_initialized():
         parallel_state.destroy_model_parallel()  # groups of an earlier, destroyed default group are stale
         backend = "nccl" if cuda else "gloo"

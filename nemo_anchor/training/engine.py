@@ -31,7 +31,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from nemo_anchor import gpu
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 from nemo_anchor.model.gpt import AnchorTransformerConfig, build_gpt_model, transformer_config
 from nemo_anchor.parallel.context_parallel import pads_documents
@@ -61,13 +60,12 @@ def megatron_configs(config: RunConfig, device: torch.device
     parameter all-gather overlaps the next forward (:func:`parameters_gathered` around what reads
     the parameters outside a step); with Transformer Engine, weight-gradient accumulation is fused
     into the GEMMs, and Megatron's fused cross-entropy, bias-SwiGLU, persistent layer norm and RoPE
-    (where :func:`nemo_anchor.model.rope.rope_fusion_allowed`) are on (``nemo_anchor.gpu.fusions``).
+    (where :func:`nemo_anchor.model.rope.rope_fusion_allowed`) are on (``nemo_anchor.launch.model_settings``).
     The CPU (gloo) runs every collective synchronously and unfused.
     """
     overlap = device.type == "cuda"
     distributed_optimizer = config.trainer.distributed_optimizer
-    model_config = transformer_config(config.model, bf16=config.trainer.precision == "bf16",
-                                      gradient_accumulation_fusion=overlap and gpu.gradient_accumulation_fusion())
+    model_config = transformer_config(config.model, bf16=config.trainer.precision == "bf16")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap,

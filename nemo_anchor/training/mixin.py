@@ -69,6 +69,7 @@ class AnchorConfigMixin(YarnFields):
     cross_entropy_loss_fusion: Optional[bool] = None
     persist_layer_norm: Optional[bool] = None
     apply_rope_fusion: Optional[bool] = None
+    gradient_accumulation_fusion: Optional[bool] = None
     # NeMo builds its configs in the training process; Bridge prints its provider with the recipe and
     # decides in finalize(), which its pretrain() calls
     devices_decided_at_construction: ClassVar[bool] = True

@@ -15,6 +15,12 @@ flattened parameter (DDP's buffer layout); that range is cut into at most a few 
 box becomes a ShardedTensor (uneven sharding, which dist_checkpointing hands to PyTorch DCP). The
 data are views of the optimizer's own tensors (``get_parameter_state_dp_reshardable``): nothing
 is gathered or copied on a rank, and loading writes into the live state.
+
+It is also the one place that makes the distributed optimizer reload exactly over torch's Adam, which
+Megatron-Core runs where neither Apex's nor Transformer Engine's Adam imports (``HAVE_APEX_OR_TE``
+False: the CPU, or a GPU without them). Every front door calls it: :func:`prepare_load` (ours),
+:func:`create_state_for_load` and :func:`give_each_parameter_its_adam_step` (NeMo's strategy, Bridge's
+checkpoint manager).
 """
 from __future__ import annotations
 
@@ -148,16 +154,53 @@ def prepare_load(optimizer, common: dict) -> None:
     for index, opt in enumerate(optimizers(optimizer)):
         if isinstance(opt, DistributedOptimizer):
             opt.load_state_dict(common[index]["groups"])
-            _unshare_adam_steps(opt.optimizer)
+    give_each_parameter_its_adam_step(optimizer)
 
 
-def _unshare_adam_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Megatron-Core 0.16.1's ``DistributedOptimizer.load_state_dict`` gives torch AdamW one ``step``
-    tensor shared by every parameter; AdamW increments each parameter's step in place, so the shared
-    count would advance once per parameter per step. Each parameter gets its own copy."""
-    for state in optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
+def torch_adam() -> bool:
+    """Whether Megatron-Core's distributed optimizer runs torch's Adam here (no Apex or TE Adam)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def create_state_for_load(optimizer) -> None:
+    """Create the Adam state of each distributed optimizer over torch's Adam that has none yet, before a load.
+
+    Megatron-Core (0.16.1 and 0.19.2) builds the state to load into from the live one:
+    ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` calls ``state_dict()``, which reads
+    torch Adam's ``step`` from every parameter's state (``distrib_optimizer.py:837`` in 0.19.2) and
+    asserts on a state that is empty until the first step. The state is created first with Megatron's
+    own ``_init_optimizer_states_with_dummy_values`` (one step on zero gradients, as Megatron-LM does
+    before a load); the load then replaces every value, the parameters' included.
+    """
+    if not torch_adam():
+        return
+    for opt in optimizers(optimizer):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def give_each_parameter_its_adam_step(optimizer, step: int | None = None) -> None:
+    """After a load into torch's Adam: each parameter its own ``step`` tensor, holding the restored count.
+
+    ``DistributedOptimizer.load_state_dict`` over torch's Adam gives every parameter one shared
+    ``step`` tensor (``distrib_optimizer.py:1025-1032`` in 0.19.2); Adam increments each parameter's
+    step in place, so the shared count would advance once per parameter per step. And a sharded load
+    keeps the count of the placeholder state :func:`create_state_for_load` made (1), while the
+    checkpoint's count is in each param group's ``step``, where Megatron records it for torch's Adam
+    (``distrib_optimizer.py:869-871``): the bias correction of every step after the resume would be
+    wrong. ``step``: the count to set instead (NeMo's restored global step).
+    """
+    for opt in optimizers(optimizer):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                state = opt.optimizer.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    count = step if step is not None else group.get("step", state["step"].item())
+                    state["step"] = torch.tensor(float(count), dtype=state["step"].dtype)
 
 
 def load_targets(optimizer, sharded: dict) -> dict[int, list[torch.Tensor]]:

@@ -19,6 +19,11 @@ The public API, for any front door::
 :func:`signals_deferred` is what makes a save after the signal work: wrap every checkpoint save in
 it (the scheduled ones too), because Megatron starts the processes a save needs during the first
 save and keeps some of them.
+
+The three front doors stop on the same :data:`STOP_SIGNALS`: ``nemo-anchor train``
+(``training/loop.py``), NeMo (``nemo/run_guard.py``'s ``AnchorPreemption``, saves through
+``nemo/strategy.py``) and Megatron-Bridge (``bridge/preemption.py``, whose exit-signal handler is a
+:class:`StopRequest`).
 """
 from __future__ import annotations
 

@@ -132,14 +132,6 @@ def data_parallel_2(run_config, first_step, tmp_path_factory):
                            *DISTRIBUTED_OPTIMIZER, nproc=2)
 
 
-def _apex_or_te_adam() -> bool:
-    from megatron.core.optimizer import distrib_optimizer
-
-    return distrib_optimizer.HAVE_APEX_OR_TE
-
-
-@pytest.mark.skipif(not _apex_or_te_adam(), reason="Bridge's distributed optimizer needs Apex's or TE's Adam to reload "
-                    "exactly; without them (the CPU) nemo_anchor.launch runs the plain optimizer")
 def test_distributed_optimizer_equals_one_process_and_resumes_exactly(run_config, first_step, one_process,
                                                                       data_parallel_2, tmp_path):
     from megatron.core import dist_checkpointing

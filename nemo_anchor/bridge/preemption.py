@@ -1,0 +1,117 @@
+"""Megatron-Bridge's ``pretrain()`` stopping and resuming as the other front doors do, on any device.
+
+- Every stop signal (:data:`~nemo_anchor.training.preemption.STOP_SIGNALS`: SIGTERM, SIGINT, SIGUSR1)
+  asks Bridge's exit-signal save, not only ``train.exit_signal``: :class:`StopSignalHandler` takes the
+  place of Bridge's ``DistributedSignalHandler`` (``training/state.py:468`` in Megatron-Bridge 0.6.2)
+  and records the signals with :class:`~nemo_anchor.training.preemption.StopRequest`.
+- The processes Bridge starts before training (the asynchronous checkpoint worker,
+  ``training/setup.py:239``; the checkpoint writer's result queue; data loader workers) and during each
+  save (the writer's processes) start with the stop signals blocked, so that a signal to the whole
+  process group (Slurm, Kubernetes, torchrun) leaves them alive for the exit-signal save:
+  :func:`stopping_as_every_door` holds the signals until training starts (:class:`SignalsHeldUntilTraining`),
+  and :class:`AnchorCheckpointManager` (Bridge's ``checkpoint.custom_manager_class``) saves with them deferred.
+- A resume of the distributed optimizer over torch's Adam (no Apex or TE Adam) is exact:
+  :class:`AnchorCheckpointManager` loads through :mod:`nemo_anchor.training.optimizer_state`, as the other doors.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from megatron.bridge.training import state as bridge_state
+from megatron.bridge.training.callbacks import Callback, CallbackContext
+from megatron.bridge.training.checkpointing import DefaultCheckpointManager
+from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, all_gather_item
+
+from nemo_anchor.training import optimizer_state
+from nemo_anchor.training.preemption import StopRequest, signals_deferred
+
+
+class StopSignalHandler(DistributedSignalHandler):
+    """Bridge's ``DistributedSignalHandler`` on every stop signal: ``signals_received()`` gathers, from every
+    rank, whether one of :data:`~nemo_anchor.training.preemption.STOP_SIGNALS` arrived."""
+
+    def __enter__(self) -> "StopSignalHandler":
+        self.released = False
+        self._stop = StopRequest().__enter__()
+        return self
+
+    def signals_received(self) -> list[bool]:
+        return all_gather_item(self._stop.requested, dtype=torch.int32)
+
+    def release(self) -> bool:
+        if self.released:
+            return False
+        self._stop.__exit__(None, None, None)
+        self.released = True
+        return True
+
+
+class AnchorCheckpointManager(DefaultCheckpointManager):
+    """Bridge's checkpoint manager, saving with the stop signals deferred and loading torch's Adam exactly."""
+
+    def save(self, ctx, callback_manager) -> None:
+        with signals_deferred():  # the writer's processes, started here, survive a group signal
+            super().save(ctx, callback_manager)
+
+    def load(self, ctx) -> tuple[int, int]:
+        if ctx.optimizer is None or not optimizer_state.torch_adam():
+            return super().load(ctx)
+        with _state_created_for_a_load(ctx.optimizer):
+            loaded = super().load(ctx)
+        optimizer_state.give_each_parameter_its_adam_step(ctx.optimizer)
+        return loaded
+
+
+@contextlib.contextmanager
+def _state_created_for_a_load(optimizer) -> Iterator[None]:
+    """While Bridge loads: torch Adam's state created when Bridge asks for the optimizer's state to load into
+    (``checkpointing.py:2038``, only when the checkpoint's optimizer state is loaded)."""
+    sharded_state_dict = optimizer.sharded_state_dict
+
+    def creating_the_state_first(*args, is_loading: bool = False, **kwargs):
+        if is_loading:
+            optimizer_state.create_state_for_load(optimizer)
+        return sharded_state_dict(*args, is_loading=is_loading, **kwargs)
+
+    optimizer.sharded_state_dict = creating_the_state_first  # this instance, for this load
+    try:
+        yield
+    finally:
+        del optimizer.sharded_state_dict
+
+
+MANAGER = f"{AnchorCheckpointManager.__module__}.{AnchorCheckpointManager.__qualname__}"
+
+
+class SignalsHeldUntilTraining(Callback):
+    """Ends the block of the stop signals that :func:`stopping_as_every_door` starts, when training starts
+    (a signal held meanwhile then arrives: the run stops at its first step boundary, after a save)."""
+
+    def __init__(self, held: contextlib.ExitStack):
+        self.held = held
+
+    def on_train_start(self, context: CallbackContext) -> None:
+        self.held.close()
+
+
+@contextlib.contextmanager
+def stopping_as_every_door(config) -> Iterator[Callback]:
+    """``with stopping_as_every_door(config) as callback: pretrain(config, step, callbacks=[..., callback])``.
+
+    Sets Bridge's exit-signal handling on with :class:`StopSignalHandler` and, unless the config names its
+    own, :class:`AnchorCheckpointManager`; blocks the stop signals until training starts.
+    """
+    config.train.exit_signal_handler = True
+    if config.checkpoint.custom_manager_class is None:
+        config.checkpoint.custom_manager_class = MANAGER
+    bridge_handler = bridge_state.DistributedSignalHandler
+    bridge_state.DistributedSignalHandler = StopSignalHandler
+    held = contextlib.ExitStack()
+    held.enter_context(signals_deferred())
+    try:
+        yield SignalsHeldUntilTraining(held)
+    finally:
+        held.close()
+        bridge_state.DistributedSignalHandler = bridge_handler

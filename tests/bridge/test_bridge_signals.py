@@ -1,0 +1,135 @@
+"""Megatron-Bridge's front door stops as the other two do (.venv-bridge; each run a subprocess, as a user runs it).
+
+- SIGUSR1 (Slurm's ``--signal=USR1@120``) and SIGINT to the whole process group, after scheduled saves: the run
+  saves the step it reached and exits 75, and none of its processes is left (SIGTERM: tests/bridge/test_bridge.py).
+- A job given GPUs that torch cannot see (``CUDA_VISIBLE_DEVICES=0`` on this machine), or a run asking for NCCL,
+  stops before its first step with one line naming CUDA and torch's error; ``NEMO_ANCHOR_ALLOW_CPU=1`` trains on
+  the CPU.
+
+Skipped where Megatron-Bridge is not installed.
+"""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.bridge") is None:  # checked before nemo_anchor.bridge installs its shims
+    pytest.skip("Megatron-Bridge is not installed (scripts/setup_env.sh's .venv-bridge has it)", allow_module_level=True)
+
+from nemo_anchor import launch  # noqa: E402
+from nemo_anchor.cli import main as cli  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
+         "How vexingly quick daft zebras jump; " * 9, "Waltz, bad nymph, for quick jigs vex. " * 12] * 6
+DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", launch.ALLOW_CPU, "SLURM_GPUS", "SLURM_GPUS_ON_NODE",
+                    "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+    """A `nemo-anchor train` YAML of a tiny model over packed byte windows of 64 tokens."""
+    root = tmp_path_factory.mktemp("bridge-signals")
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    assert cli(["pack", "--input", str(root / "corpus.jsonl"), "--tokenizer", "byte", "--seq-length", "64",
+                "--output", str(root / "packed")]) == 0
+    config = root / "run.yaml"
+    config.write_text(json.dumps({
+        "output_dir": str(root / "unused"),
+        "model": {"num_layers": 1, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+                  "num_query_groups": 2, "seq_length": 64, "attention_type": "anchor", "rotary_base": "10000"},
+        "data": {"path": str(root / "packed")},
+        "trainer": {"max_steps": 400, "global_batch_size": 1, "micro_batch_size": 1, "precision": "fp32",
+                    "progress_bar": False, "eval_batches": 0},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
+    }))
+    return config
+
+
+def environment(**variables) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in DEVICE_VARIABLES}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **variables}
+
+
+def command(config, save, *overrides) -> list[str]:
+    return [sys.executable, "-m", "nemo_anchor.bridge.pretrain", "--config", str(config), f"checkpoint.save={save}",
+            f"checkpoint.load={save}", "--peak-tflops", "1", *overrides]
+
+
+def steps(save: Path) -> list[int]:
+    metrics = save / "metrics.jsonl"
+    rows = metrics.read_text().splitlines() if metrics.is_file() else []
+    return [json.loads(row)["step"] for row in rows if '"loss"' in row]
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("stop", [signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+def test_a_group_stop_signal_after_earlier_saves_saves_the_step_reached_and_exits_75(run_config, stop, tmp_path):
+    save = tmp_path / "run"
+    run = subprocess.Popen(command(run_config, save, "checkpoint.save_interval=2"), env=environment(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 500
+        while len(steps(save)) < 5 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert run.poll() is None and len(steps(save)) >= 5, run.communicate()[0][-3000:] if run.poll() is not None \
+            else "slow"
+        os.killpg(run.pid, stop)  # as Slurm's --signal=USR1@120 reaches every task, or ^C a terminal's group
+        out = run.communicate(timeout=300)[0]
+        deadline = time.monotonic() + 60  # the writer's helper processes end with the run
+        while group_alive(run.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = group_alive(run.pid)
+    finally:
+        if group_alive(run.pid):
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 75, out[-3000:]
+    latest = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert latest == max(steps(save)) >= 5 and (save / f"iter_{latest:07d}").is_dir(), (latest, steps(save))
+    assert not left, "processes of the run were left alive"
+
+
+def _torch_reason() -> str:
+    try:
+        torch.cuda.init()
+    except Exception as error:  # noqa: BLE001
+        return str(error).split(".")[0]
+    pytest.skip("torch initialises CUDA here")
+
+
+@pytest.mark.parametrize("asked, expected", [
+    ({"CUDA_VISIBLE_DEVICES": "0"}, "CUDA_VISIBLE_DEVICES=0"),
+    ({"SLURM_GPUS_ON_NODE": "4"}, "SLURM_GPUS_ON_NODE=4"),
+    ({"overrides": "dist.distributed_backend=nccl"}, "dist.distributed_backend=nccl"),
+], ids=["CUDA_VISIBLE_DEVICES", "slurm", "nccl"])
+def test_a_gpu_job_that_sees_no_gpu_stops_before_its_first_step(run_config, asked, expected, tmp_path):
+    overrides = [asked.pop("overrides")] if "overrides" in asked else []
+    done = subprocess.run(command(run_config, tmp_path / "run", "train.train_iters=1", *overrides),
+                          env=environment(**asked), capture_output=True, text=True, timeout=600)
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert done.returncode == 2 and len(errors) == 1, (done.stdout + done.stderr)[-3000:]
+    assert errors[0].startswith(f"python -m nemo_anchor.bridge.pretrain: error: CUDA is expected here ({expected})")
+    assert _torch_reason() in errors[0] and launch.ALLOW_CPU in errors[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_cpu_chosen_where_cuda_is_expected_trains(run_config, tmp_path):
+    done = subprocess.run(command(run_config, tmp_path / "run", "train.train_iters=1"),
+                          env=environment(CUDA_VISIBLE_DEVICES="0", **{launch.ALLOW_CPU: "1"}),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert steps(tmp_path / "run") == [1]
