@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from types import ModuleType
 from typing import Any, Callable
 
@@ -23,13 +24,40 @@ def _import(module_name: str) -> tuple[ModuleType | None, str | None]:
         return None, f"`import {module_name}` failed: {type(error).__name__}: {error}"
 
 
+@functools.cache
+def _accepting(kernel: Callable[..., Any], name: str, keywords: tuple[str, ...]) -> tuple[Callable[..., Any] | None, str | None]:
+    """``(kernel, None)`` when ``kernel`` takes every keyword argument in ``keywords`` (or any, through
+    ``**kwargs``; or its signature cannot be read), else None and which ones it lacks: the release
+    installed calls them otherwise, and calling it would raise TypeError mid-run."""
+    try:
+        parameters = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return kernel, None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return kernel, None
+    missing = [k for k in keywords if k not in parameters or parameters[k].kind is inspect.Parameter.POSITIONAL_ONLY]
+    if missing:
+        return None, f"{name} takes no {', '.join(missing)} (a release with other keyword names than nemo-anchor calls)"
+    return kernel, None
+
+
+# the keyword arguments our backends pass each kernel (nemo_anchor.attention.flash, fa3, fa4)
+_VARLEN_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal")
+FLASH_ATTN_2_KEYWORDS = (*_VARLEN_KEYWORDS, "dropout_p", "return_attn_probs")
+FLASH_ATTN_3_KEYWORDS = ("softmax_scale", "causal", "return_attn_probs")
+FLASH_ATTN_4_KEYWORDS = (*_VARLEN_KEYWORDS, "return_lse")
+FLASH_ATTN_4_BACKWARD_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
 def flash_attn_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
     """``flash_attn.flash_attn_varlen_func`` (flash-attn 2), or None and why it is unavailable."""
     module, reason = _import("flash_attn")
     if module is None:
         return None, reason
     kernel = getattr(module, "flash_attn_varlen_func", None)  # flash-attn 4 ships only flash_attn.cute
-    return (kernel, None) if kernel is not None else (None, "flash_attn has no flash_attn_varlen_func (not flash-attn 2)")
+    if kernel is None:
+        return None, "flash_attn has no flash_attn_varlen_func (not flash-attn 2)"
+    return _accepting(kernel, "flash_attn.flash_attn_varlen_func", FLASH_ATTN_2_KEYWORDS)
 
 
 def transformer_engine_pytorch() -> tuple[ModuleType | None, str | None]:
@@ -84,7 +112,9 @@ def flash_attn_3_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
     if module is None:
         return None, reason
     kernel = getattr(module, "flash_attn_varlen_func", None)
-    return (kernel, None) if kernel is not None else (None, "flash_attn_interface has no flash_attn_varlen_func")
+    if kernel is None:
+        return None, "flash_attn_interface has no flash_attn_varlen_func"
+    return _accepting(kernel, "flash_attn_interface.flash_attn_varlen_func", FLASH_ATTN_3_KEYWORDS)
 
 
 def flash_attn_4_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
@@ -93,7 +123,9 @@ def flash_attn_4_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
     if module is None:
         return None, reason
     kernel = getattr(module, "flash_attn_varlen_func", None)
-    return (kernel, None) if kernel is not None else (None, "flash_attn.cute has no flash_attn_varlen_func")
+    if kernel is None:
+        return None, "flash_attn.cute has no flash_attn_varlen_func"
+    return _accepting(kernel, "flash_attn.cute.flash_attn_varlen_func", FLASH_ATTN_4_KEYWORDS)
 
 
 def flash_attn_3_backward() -> tuple[Callable[..., Any] | None, str | None]:
@@ -125,7 +157,9 @@ def flash_attn_4_backward() -> tuple[Callable[..., Any] | None, str | None]:
     if module is None:
         return None, reason
     backward = getattr(module, "_flash_attn_bwd", None)
-    return (backward, None) if backward is not None else (None, "flash_attn.cute.interface has no _flash_attn_bwd")
+    if backward is None:
+        return None, "flash_attn.cute.interface has no _flash_attn_bwd"
+    return _accepting(backward, "flash_attn.cute.interface._flash_attn_bwd", FLASH_ATTN_4_BACKWARD_KEYWORDS)
 
 
 def apex_gradient_accumulation() -> tuple[ModuleType | None, str | None]:

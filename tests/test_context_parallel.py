@@ -113,35 +113,29 @@ def test_every_rank_gets_its_tokens_positions_from_megatron_thd_rope(attention_t
     from nemo_anchor.model.config import ModelConfig
     from nemo_anchor.model.gpt import transformer_config
     from nemo_anchor.model.packed_seq import make_packed_seq_params
-    from megatron.core.transformer import attention
-
-    from nemo_anchor.model.rope import install_rope_precision_hook
+    from nemo_anchor.model.rope import rotate, token_freqs
     from nemo_anchor.parallel.cpu_shims import install_cpu_shims
 
     install_cpu_shims()
-    install_rope_precision_hook()
     config = transformer_config(ModelConfig(hidden_size=64, num_attention_heads=4, seq_length=T))
     rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10_000, use_cpu_initialization=True,
                            cp_group=_Group(1))
     batch = _batch()
     x = torch.randn(3 * T, 2, 16, dtype=torch.float64)
 
-    def rotate(values, cu_seqlens, cu_windows, group):
+    def rotated(values, cu_seqlens, cu_windows, group):
         params = make_packed_seq_params(cu_seqlens, cu_windows, attention_type, group)
         freqs = rope(params.max_seqlen_q, packed_seq=True).double()
-        megatrons = apply_rotary_pos_emb(values, freqs, config, cu_seqlens=cu_seqlens_of(params), cp_group=group)
+        megatrons = apply_rotary_pos_emb(values, freqs, config, cu_seqlens=params.cu_seqlens_q, cp_group=group)
         # what the attention layers run: per token, from the positions the params carry (no host sync)
-        ours = attention.apply_rotary_pos_emb(values, freqs, config, cu_seqlens=params.cu_seqlens_q, cp_group=group)
+        ours = rotate(values.unsqueeze(1), token_freqs(freqs, params, group), config, cp_group=group).squeeze(1)
         torch.testing.assert_close(ours, megatrons, rtol=0, atol=0)
         return ours
 
-    def cu_seqlens_of(params):
-        return params.cu_seqlens_q.clone()  # without the positions: Megatron's own THD path
-
-    single = rotate(x, batch["cu_seqlens"], batch["cu_windows"], _Group(1))
+    single = rotated(x, batch["cu_seqlens"], batch["cu_windows"], _Group(1))
     for rank in range(cp):
         plan = shard_plan(batch["cu_seqlens"], batch["cu_windows"], cp, rank, attention_type)
-        local = rotate(x[plan.index.clamp(min=0)], plan.cu_seqlens, plan.cu_windows, _Group(cp, rank))
+        local = rotated(x[plan.index.clamp(min=0)], plan.cu_seqlens, plan.cu_windows, _Group(cp, rank))
         real = plan.index >= 0
         torch.testing.assert_close(local[real], single[plan.index[real]], rtol=1e-12, atol=1e-12)
 

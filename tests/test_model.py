@@ -198,20 +198,22 @@ def test_model_config_errors_name_the_key():
 
 def test_rope_in_fp32_rotates_in_fp32():
     """With rope_in_fp32 the bf16 rotation is exact up to one final rounding."""
+    from nemo_anchor.model.rope import rotate
+
     cfg32 = _cfg(rope_in_fp32=True)
     model = _model(cfg32)
     freqs = model.rotary_pos_emb(4096)
     x = torch.randn(4096, 1, 4, 16)
-    from megatron.core.transformer import attention
 
-    exact = attention.apply_rotary_pos_emb(x, freqs, model.config)
-    in_fp32 = attention.apply_rotary_pos_emb(x.bfloat16(), freqs, model.config)
+    exact = rotate(x, freqs, model.config)
+    in_fp32 = rotate(x.bfloat16(), freqs, model.config)
     rounded_config = copy.copy(model.config)
     rounded_config.rope_in_fp32 = False
-    in_bf16 = attention.apply_rotary_pos_emb(x.bfloat16(), freqs, rounded_config)
+    in_bf16 = rotate(x.bfloat16(), freqs, rounded_config)
     err32 = (in_fp32.float() - exact).abs().mean()
     err16 = (in_bf16.float() - exact).abs().mean()
     assert err32 < err16
+    torch.testing.assert_close(in_fp32, rotate(x.bfloat16().float(), freqs, model.config).bfloat16(), atol=0, rtol=0)
 
 
 
@@ -312,11 +314,12 @@ class _ContextParallelRank:
                                      {"rope_scaling": "yarn", "rope_scaling_factor": 4.0,
                                       "original_max_position_embeddings": 16}], ids=["rope", "rope_in_fp32", "yarn"])
 def test_per_token_rope_rotates_as_megatrons_thd_rope(variant, cp_size):
-    """The attention's RoPE (per token, positions from the host layout) equals Megatron's own unfused THD
-    RoPE on every context-parallel rank, YaRN's attention scaling and the fp32 rotation included."""
+    """The attention's RoPE (per token, positions from the packed-sequence parameters) equals Megatron's own
+    unfused THD RoPE on every context-parallel rank, YaRN's attention scaling and the fp32 rotation included."""
     from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.transformer import attention
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+
+    from nemo_anchor.model.rope import rotate, token_freqs
 
     cfg = _cfg(**variant)
     model = _model(cfg)
@@ -330,8 +333,7 @@ def test_per_token_rope_rotates_as_megatrons_thd_rope(variant, cp_size):
         emb = model.rotary_pos_emb(params.max_seqlen_q, packed_seq=True)
         freqs = emb[0] if isinstance(emb, tuple) else emb
         x = torch.randn(64 // cp_size, 4, 16).bfloat16()
-        ours = attention.apply_rotary_pos_emb(x, freqs, model.config, cu_seqlens=params.cu_seqlens_q, mscale=mscale,
-                                              cp_group=group)
+        ours = rotate(x.unsqueeze(1), token_freqs(freqs, params, group), model.config, mscale).squeeze(1)
         source = x.float() if variant.get("rope_in_fp32") else x
         megatrons = rope_utils.apply_rotary_pos_emb(source, freqs, model.config, cu_seqlens=cu_windows.clone(),
                                                     mscale=mscale, cp_group=group).to(x.dtype)

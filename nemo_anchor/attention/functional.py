@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import math
+import sys
 
 import torch
 
@@ -28,6 +30,11 @@ _ANYWHERE = ("cpu", "flex", "reference")
 # in ``anchor`` mode, and skipped there by ``auto``. Every other GPU kernel merges the anchor through
 # the log-sum-exp (:mod:`nemo_anchor.attention.anchor_merge`), one extra key per query.
 NO_ANCHOR = frozenset({"te"})
+# the kernel each backend runs: a comparison of attention types is like for like on one family only
+KERNEL_FAMILIES = {
+    "fa3": "FlashAttention-3", "fa4": "FlashAttention-4", "flash": "FlashAttention-2", "torch_varlen": "FlashAttention-2",
+    "te": "cuDNN fused attention", "cpu": "torch's CPU flash attention", "flex": "FlexAttention", "reference": "dense reference",
+}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -166,12 +173,72 @@ def select_backend(backend: str, q: torch.Tensor, needs_grad: bool, mode: str):
     Raises:
         BackendUnavailableError: an explicitly named backend cannot; says why.
     """
-    if backend == "auto":  # the reference runs everywhere: there always is one
-        return _backend_module(next(b for b in auto_order(q) if unavailable_reason(b, q, needs_grad, mode) is None))
-    reason = unavailable_reason(backend, q, needs_grad, mode)
-    if reason is not None:
-        raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
-    return _backend_module(backend)
+    return _backend_module(backend_choice(backend, q, needs_grad, mode)[0])
+
+
+def backend_choice(backend: str, q: torch.Tensor, needs_grad: bool, mode: str) -> tuple[str, dict[str, str]]:
+    """The name of the backend that runs ``mode`` for ``q``, and why ``auto`` passed over each backend
+    before it (``{name: reason}``; empty for a named backend).
+
+    Raises:
+        BackendUnavailableError: an explicitly named backend cannot run; says why.
+    """
+    if backend != "auto":
+        reason = unavailable_reason(backend, q, needs_grad, mode)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
+        return backend, {}
+    skipped = {}
+    for name in auto_order(q):  # the reference runs everywhere: there always is one
+        reason = unavailable_reason(name, q, needs_grad, mode)
+        if reason is None:
+            return name, skipped
+        skipped[name] = reason
+    raise AssertionError("the reference backend runs everywhere")
+
+
+def kernel_family(backend: str) -> str:
+    """The kernel ``backend`` runs (``torch_varlen`` and ``flash`` are both FlashAttention-2)."""
+    return KERNEL_FAMILIES[backend]
+
+
+def common_backend(q: torch.Tensor, needs_grad: bool, modes=("anchor", "full")) -> str:
+    """The first backend in ``auto``'s order that runs every mode of ``modes`` for ``q``: the
+    ``attention_backend`` to give each run of a like-for-like comparison of those attention types."""
+    return next(name for name in auto_order(q) if all(unavailable_reason(name, q, needs_grad, m) is None for m in modes))
+
+
+def log_backend_choice(backend: str, mode: str, q: torch.Tensor, needs_grad: bool) -> None:
+    """Log which backend runs ``mode`` and why, and warn where ``auto`` would run ``anchor`` and ``full`` on
+    different kernel families (on Hopper without FlashAttention-3: FlashAttention-2 and cuDNN)."""
+    name, skipped = backend_choice(backend, q, needs_grad, mode)
+    device = torch.cuda.get_device_name(q.device) if q.is_cuda else str(q.device)
+    why = ("asked for by name" if backend != "auto" else
+           "auto's first that runs here" + "".join(f"; not {b}: {reason}" for b, reason in skipped.items()))
+    log = _library_logger()
+    log.info("nemo_anchor attention: %s runs on %s (%s) on %s, %s, head_dim %d: %s", mode, name, kernel_family(name),
+             device, str(q.dtype).removeprefix("torch."), q.shape[-1], why)
+    if backend != "auto" or mode not in ("anchor", "full"):
+        return
+    families = {m: kernel_family(backend_choice("auto", q, needs_grad, m)[0]) for m in ("anchor", "full")}
+    if families["anchor"] != families["full"]:
+        log.warning("nemo_anchor attention: on this machine auto runs anchor on %s and full on %s, so comparing them "
+                    "compares kernels too; set the attention backend (model.attention_backend, NeMo/Bridge "
+                    "attention_kernel) to %s in both runs for like for like", families["anchor"], families["full"],
+                    common_backend(q, needs_grad))
+
+
+def _library_logger() -> logging.Logger:
+    """``nemo_anchor``'s logger, shown at INFO on stderr when the application configured no logging (as
+    ``transformers`` does for its own); otherwise records propagate to the application's handlers."""
+    library = logging.getLogger("nemo_anchor")
+    if not library.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        library.addHandler(handler)
+    if library.level == logging.NOTSET:
+        library.setLevel(logging.INFO)
+    return logging.getLogger(__name__)
 
 
 def unavailable_reason(backend: str, q: torch.Tensor, needs_grad: bool, mode: str) -> str | None:

@@ -21,7 +21,7 @@ _MASK = "padding_causal_bottom_right"
 
 
 def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
-    return gpu.transformer_engine_pytorch()[1] or requirements.cuda_reason("Transformer Engine", q)
+    return gpu.transformer_engine_pytorch()[1] or requirements.cuda_reason("Transformer Engine", q, returns_lse=False)
 
 
 @functools.lru_cache(maxsize=16)

@@ -19,10 +19,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from nemo_anchor.attention import anchor_attention
+from nemo_anchor.attention.functional import log_backend_choice
 from nemo_anchor.attention.layout import PackLayout
 from nemo_anchor.model.packed_seq import packed_layout
 
 _CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_LOGGED: set[tuple[str, str]] = set()  # the (mask, backend) pairs whose choice this process has logged
 
 
 class AnchorCoreAttention(MegatronModule):
@@ -97,6 +99,7 @@ class AnchorCoreAttention(MegatronModule):
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _attend(self, q, k, v, layout: PackLayout):
+        self._log_backend_once(q)
         cp_group = self.pg_collection.cp
         if cp_group is not None and cp_group.size() > 1:
             from nemo_anchor.parallel.context_parallel import context_parallel_attention
@@ -107,3 +110,13 @@ class AnchorCoreAttention(MegatronModule):
             )
         return anchor_attention(q, k, v, layout=layout, mode=self.mask, backend=self.backend,
                                 softmax_scale=self.softmax_scale)
+
+    def _log_backend_once(self, q):
+        """The first forward of each process says which kernel runs and why (rank 0): our trainer, NeMo and
+        Bridge all build this module, so every front door says it."""
+        if (self.mask, self.backend) in _LOGGED:
+            return
+        _LOGGED.add((self.mask, self.backend))
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        log_backend_choice(self.backend, self.mask, q, torch.is_grad_enabled() and q.requires_grad)

@@ -16,7 +16,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from nemo_anchor import launch
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.packed_seq import make_packed_seq_params
-from nemo_anchor.model.rope import install_rope_precision_hook, rope_fusion_allowed
+from nemo_anchor.model.rope import rope_fusion_allowed
 from nemo_anchor.model.spec import get_block_spec, get_layer_spec
 from nemo_anchor.model.vocab import PaddedVocabGPTModel, padded_vocab_size
 
@@ -110,7 +110,6 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, *, bf16: bool = False, sp
     Parameters are fp32; ``bf16`` only records the compute dtype (wrap in ``Float16Module`` to cast).
     ``config``: Megatron's config to build with, default ``transformer_config(cfg, bf16=bf16)``.
     """
-    install_rope_precision_hook()
     if config is None:
         config = transformer_config(cfg, bf16=bf16)
     padded = padded_vocab_size(vocab_size, cfg.tensor_model_parallel_size)

@@ -5,8 +5,9 @@ So the standard fields describe where positions restart (windows, or documents f
 ``intra_doc_reset``) while ``cu_seqlens_doc`` / ``cu_seqlens_window`` tell the core attention
 which keys each token may see. ``make_packed_seq_params`` carries those boundaries as a
 :class:`~nemo_anchor.attention.layout.PackLayout` (``layout``), built on the host from the batch's
-host copy of the boundaries (``batch_for_this_rank``), and each token's rotary position: every
-layer of the micro-batch reuses them, with no host sync in the forward. Plain ``PackedSeqParams``
+host copy of the boundaries (``batch_for_this_rank``), and each token's rotary position
+(``rope_positions``, applied by :class:`~nemo_anchor.model.rope.AnchorSelfAttention`): every layer of
+the micro-batch reuses them, with no host sync in the forward. Plain ``PackedSeqParams``
 (e.g. from NeMo's own packed path) still work: every segment is then its own document and window,
 read in each layer.
 """
@@ -27,6 +28,7 @@ class AnchorPackedSeqParams(PackedSeqParams):
     cu_seqlens_doc: torch.Tensor = None  # int32 [n_docs + 1], document boundaries over the pack
     cu_seqlens_window: torch.Tensor = None  # int32 [n_windows + 1], each also a document boundary
     layout: PackLayout = None  # the two above, read to the host once for all layers
+    rope_positions: torch.Tensor = None  # int64 [t], each local token's position in its RoPE segment
 
 
 def packed_layout(params: PackedSeqParams) -> PackLayout:
@@ -60,11 +62,11 @@ def make_packed_seq_params(
     rope_bounds = layout.doc_bounds if by_document else layout.window_bounds
     rope_segments = cu_seqlens if by_document else cu_windows
     cp_size, cp_rank = (cp_group.size(), cp_group.rank()) if cp_group is not None else (1, 0)
-    # Attention passes only cu_seqlens_q/kv to RoPE: they carry the positions (nemo_anchor.model.rope)
-    rope_segments.rope_positions = torch.from_numpy(rope_positions(rope_bounds, cp_size, cp_rank)).to(
-        cu_seqlens.device, non_blocking=True)
-    # Megatron sizes its RoPE table by max_seqlen and, when that equals the pack length, maps
-    # positions by offset instead of restarting per segment; both agree with rope_segments.
+    positions = torch.from_numpy(rope_positions(rope_bounds, cp_size, cp_rank)).to(cu_seqlens.device, non_blocking=True)
+    # Megatron sizes its RoPE table by max_seqlen, the longest segment: every position indexes it. TE's
+    # fused THD RoPE restarts at each cu_seqlens_q segment, as the positions do. (Megatron's unfused THD
+    # RoPE, which AnchorSelfAttention replaces, maps by offset when max_seqlen equals the pack length:
+    # one segment, offset 0, the same positions.)
     max_seqlen = max(end - start for start, end in zip(rope_bounds, rope_bounds[1:]))
     return AnchorPackedSeqParams(
         qkv_format="thd",
@@ -76,4 +78,5 @@ def make_packed_seq_params(
         cu_seqlens_doc=cu_seqlens,
         cu_seqlens_window=cu_windows,
         layout=layout,
+        rope_positions=positions,
     )

@@ -2,7 +2,9 @@
 
 We plug in through ``ModuleSpec`` instead of forking Megatron's layers: the spec is a deep copy
 of Megatron's own (local modules, or Transformer Engine modules where TE imports), and only its
-``self_attention.submodules.core_attention`` changes.
+``self_attention`` changes: its module is :class:`~nemo_anchor.model.rope.AnchorSelfAttention`
+(Megatron's ``SelfAttention``, rotating packed tokens by the positions the packed-sequence
+parameters carry) and its ``core_attention`` is ours.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.core_attention import AnchorCoreAttention
+from nemo_anchor.model.rope import AnchorSelfAttention
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -52,6 +55,7 @@ def get_layer_spec(attention_type: str, backend: str = "auto", use_transformer_e
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     spec = copy.deepcopy(base)
+    spec.submodules.self_attention.module = AnchorSelfAttention
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(attention_type, backend)
     if not use_transformer_engine:
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm

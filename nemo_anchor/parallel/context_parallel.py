@@ -119,18 +119,59 @@ def _raise_not_the_whole_pack(name: str, end: int, cp_size: int, local: int):
 
 def _head_sharded_attention(q, k, v, layout, group, attend):
     """Ulysses: sequence shards -> head shards of the whole pack -> attention -> sequence shards."""
-    cp_size, (t, q_heads, head_dim), kv_heads = group.size(), q.shape, k.shape[1]
-    order, inverse = rank_major_order(layout.window_bounds, cp_size, q.device)
+    order, inverse = rank_major_order(layout.window_bounds, group.size(), q.device)
+    q_all, k_all, v_all = _ToHeadShards.apply(q, k, v, order, inverse, group)
+    return _ToSequenceShards.apply(attend(q_all, k_all, v_all, layout=layout), order, inverse, group)
 
-    def head_blocks(x):  # [t, H, D] -> [cp, t, H/cp, D]: block j travels to rank j
-        return x.reshape(t, cp_size, x.shape[1] // cp_size, head_dim).transpose(0, 1)
 
-    qkv = all_to_all(torch.cat([head_blocks(x) for x in (q, k, v)], dim=2), group)
-    qkv = qkv.flatten(0, 1).index_select(0, inverse)  # every token of the pack, in position order
-    q_all, k_all, v_all = qkv.split([q_heads // cp_size, kv_heads // cp_size, kv_heads // cp_size], dim=1)
-    out = attend(q_all, k_all, v_all, layout=layout)
-    out = all_to_all(out.index_select(0, order).view(cp_size, t, q_heads // cp_size, head_dim), group)
-    return out.transpose(0, 1).reshape(t, q_heads, head_dim)
+# The two exchanges of a2a write what Transformer Engine's THD a2a (``flash_attn_a2a_communicate``) writes:
+# each way, one copy into the send buffer (its head blocks, one per rank) and one reorder of the tokens
+# (rank-major <-> position order), forward and backward. ``order``, ``inverse``: ``rank_major_order``.
+
+class _ToHeadShards(torch.autograd.Function):
+    """This rank's tokens, all heads -> every token of the pack, ``H / cp`` heads, in position order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, order, inverse, group):
+        cp, t = group.size(), q.shape[0]
+        ctx.heads, ctx.inverse, ctx.group = [x.shape[1] // cp for x in (q, k, v)], inverse, group
+        send = q.new_empty(cp, t, sum(ctx.heads), q.shape[2])  # block j goes to rank j
+        for x, block in zip((q, k, v), send.split(ctx.heads, dim=2)):
+            block.copy_(x.unflatten(1, (cp, -1)).transpose(0, 1))
+        received = all_to_all(send, group).flatten(0, 1)  # every rank's tokens, rank after rank
+        return received.index_select(0, inverse).split(ctx.heads, dim=1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        cp = ctx.group.size()
+        send = grads[0].new_empty(len(ctx.inverse), sum(ctx.heads), grads[0].shape[2])
+        for grad, block in zip(grads, send.split(ctx.heads, dim=1)):
+            block.index_copy_(0, ctx.inverse, grad)  # back to rank-major order
+        received = all_to_all(send.unflatten(0, (cp, -1)), ctx.group)  # block j: rank j's heads of my tokens
+        local = []
+        for block in received.split(ctx.heads, dim=2):
+            grad = block.new_empty(block.shape[1], cp * block.shape[2], block.shape[3])
+            grad.unflatten(1, (cp, -1)).copy_(block.transpose(0, 1))
+            local.append(grad)
+        return (*local, None, None, None)
+
+
+class _ToSequenceShards(torch.autograd.Function):
+    """Every token of the pack, ``H / cp`` heads, in position order -> this rank's tokens, all heads."""
+
+    @staticmethod
+    def forward(ctx, out, order, inverse, group):
+        cp = group.size()
+        ctx.inverse, ctx.group = inverse, group
+        received = all_to_all(out.index_select(0, order).unflatten(0, (cp, -1)), group)
+        local = out.new_empty(received.shape[1], cp * out.shape[1], out.shape[2])
+        local.unflatten(1, (cp, -1)).copy_(received.transpose(0, 1))  # block j: rank j's heads
+        return local
+
+    @staticmethod
+    def backward(ctx, grad):
+        received = all_to_all(grad.unflatten(1, (ctx.group.size(), -1)).transpose(0, 1).contiguous(), ctx.group)
+        return received.flatten(0, 1).index_select(0, ctx.inverse), None, None, None
 
 
 @dataclass(frozen=True)
@@ -158,14 +199,36 @@ def _chunk_queries(docs: tuple[int, ...], windows: tuple[int, ...], cp_size: int
 
 def _gathered_kv_attention(q, k, v, layout, group, attend):
     """All-gather keys and values; each rank attends its own query chunks."""
-    kv_heads = k.shape[1]
-    _, inverse = rank_major_order(layout.window_bounds, group.size(), q.device)
-    kv = all_gather(torch.cat([k, v], dim=1), group).index_select(0, inverse)
-    k_all, v_all = kv[:, :kv_heads], kv[:, kv_heads:]
-    return torch.cat([
-        attend(q[c.rows], k_all[c.keys], v_all[c.keys], layout=c.layout, q_offset=c.q_offset)
-        for c in _chunk_queries(layout.doc_bounds, layout.window_bounds, group.size(), group.rank())
-    ])
+    order, inverse = rank_major_order(layout.window_bounds, group.size(), q.device)
+    chunks = _chunk_queries(layout.doc_bounds, layout.window_bounds, group.size(), group.rank())
+    gathered = all_gather(torch.cat([k, v], dim=1), group)  # one send copy (Megatron's k, v are views of qkv)
+    keys = _KeysOfChunks.apply(gathered, k.shape[1], order, inverse, tuple(c.keys for c in chunks))
+    queries = q.split([c.rows.stop - c.rows.start for c in chunks])
+    return torch.cat([attend(q_chunk, keys[2 * i], keys[2 * i + 1], layout=c.layout, q_offset=c.q_offset)
+                      for i, (c, q_chunk) in enumerate(zip(chunks, queries))])
+
+
+class _KeysOfChunks(torch.autograd.Function):
+    """The gathered keys and values in position order, as each query chunk's range of them: views
+    ``k_0, v_0, k_1, v_1, ...``.
+
+    The backward adds each range's gradient into one buffer in place, as Transformer Engine's all_gather
+    context parallelism does, where autograd's slice backward makes a pack-sized gradient per range.
+    """
+
+    @staticmethod
+    def forward(ctx, gathered, kv_heads, order, inverse, ranges):
+        ctx.kv_heads, ctx.order, ctx.ranges = kv_heads, order, ranges
+        in_order = gathered.index_select(0, inverse)
+        return tuple(view for r in ranges for view in in_order[r].split(kv_heads, dim=1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad = grads[0].new_zeros(len(ctx.order), 2 * ctx.kv_heads, grads[0].shape[2])
+        for i, r in enumerate(ctx.ranges):
+            grad[r, :ctx.kv_heads].add_(grads[2 * i])
+            grad[r, ctx.kv_heads:].add_(grads[2 * i + 1])
+        return grad.index_select(0, ctx.order), None, None, None, None
 
 
 @dataclass(frozen=True)

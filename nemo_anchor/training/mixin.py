@@ -19,7 +19,6 @@ from nemo_anchor.attention.functional import backend_refusal
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.data import variable_shape_batch
 from nemo_anchor.model.gpt import YarnFields
-from nemo_anchor.model.rope import install_rope_precision_hook
 from nemo_anchor.model.spec import get_layer_spec
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.training.forward import forward_step
@@ -30,7 +29,6 @@ _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "c
 
 def anchor_layer_spec(config: "AnchorConfigMixin") -> ModuleSpec:
     """The config's ``transformer_layer_spec`` hook: our layer spec for ``config.attention_type``."""
-    install_rope_precision_hook()  # honours config.rope_in_fp32 on the unfused RoPE path
     return get_layer_spec(config.attention_type, config.attention_kernel, qk_layernorm=config.qk_layernorm)
 
 
