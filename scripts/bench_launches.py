@@ -106,7 +106,7 @@ def counted_libraries(counter: LaunchCounter, backend: str, standins: bool):
         math = contextlib.nullcontext()
     for name, function in zip(accessors.get(backend, ()), functions):
         patch(gpu, name, lambda counted=counter.one_launch(function): (counted, None))
-    triton_kernels, _ = gpu.anchor_merge_triton() if hasattr(gpu, "anchor_merge_triton") else (None, None)
+    triton_kernels, _ = gpu.anchor_key_triton()
     for name in getattr(triton_kernels, "KERNELS", ()):
         patch(triton_kernels, name, _CountedTriton(getattr(triton_kernels, name), counter))
     try:
@@ -182,7 +182,7 @@ def measure(args, counter: LaunchCounter, tokens: int, mode: str, device: torch.
     return result
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -201,15 +201,20 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if cuda else "cpu")
-    standins = not cuda
-    if standins and args.backend not in ("flash", "fa3", "fa4"):
+    if not cuda and args.backend not in ("flash", "fa3", "fa4"):
         parser.error(f"--backend {args.backend} has no CPU stand-in here; choose flash, fa3 or fa4")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
 
     counter = LaunchCounter()
     rows = []
-    with counted_libraries(counter, args.backend, standins):
+    with counted_libraries(counter, args.backend, standins=not cuda):
         for tokens in args.tokens:
             intra = measure(args, counter, tokens, "intra_doc", device)
             anchors = {}

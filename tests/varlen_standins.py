@@ -67,52 +67,48 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale) -> tuple[torch.Tensor, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _rows(q, k, cu_q, cu_k):
-    """Per sequence: (q rows, k rows, GQA group)."""
-    group = q.shape[1] // k.shape[1]
-    for qs, qe, ks, ke in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
-        yield slice(qs, qe), slice(ks, ke), group
-
-
 def cpu_flash_forward(q, k, v, cu_q, cu_k, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`forward` through torch's CPU flash-attention kernel (fp32 statistics, O(T) memory) for square
-    sequences, where its top-left causal mask is the bottom-right one; the others through :func:`forward`."""
+    """:func:`forward` through torch's CPU flash-attention kernel (fp32 statistics, O(T) memory). Its causal
+    mask is top-left: a sequence with more keys than queries gets as many dummy queries in front, whose
+    rows are dropped, so that its queries sit bottom-right."""
     out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
-    for rows, keys, group in _rows(q, k, cu_q, cu_k):
-        if rows.stop - rows.start != keys.stop - keys.start:
-            out[rows], lse[:, rows] = forward(q[rows], k[keys], v[keys], *_one_sequence(rows, keys), scale)
-            continue
+    for rows, keys, group, pad in _rows(q, k, cu_q, cu_k):
         o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *_bhsd(q[rows]), *_bhsd(k[keys], v[keys], group=group), 0.0, True, scale=scale)
-        out[rows], lse[:, rows] = o[0].transpose(0, 1), l[0]
+            *_bhsd(_ahead(q[rows], pad)), *_bhsd(k[keys], v[keys], group=group), 0.0, True, scale=scale)
+        out[rows], lse[:, rows] = o[0, :, pad:].transpose(0, 1), l[0, :, pad:]
     return out, lse
 
 
 def cpu_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`backward` through torch's CPU flash-attention kernel, as :func:`cpu_flash_forward`."""
+    """:func:`backward` through torch's CPU flash-attention kernel, as :func:`cpu_flash_forward`; the dummy
+    queries' log-sum-exp is +inf: their probabilities are 0, they add nothing."""
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for rows, keys, group in _rows(q, k, cu_q, cu_k):
-        if rows.stop - rows.start != keys.stop - keys.start:
-            dq[rows], dk[keys], dv[keys] = backward(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows],
-                                                    *_one_sequence(rows, keys), scale)
-            continue
+    for rows, keys, group, pad in _rows(q, k, cu_q, cu_k):
         parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *_bhsd(dout[rows], q[rows]), *_bhsd(k[keys], v[keys], group=group), *_bhsd(out[rows]),
-            lse[None, :, rows].contiguous(), 0.0, True, scale=scale)
-        dq[rows] = parts[0][0].transpose(0, 1)
+            *_bhsd(_ahead(dout[rows], pad), _ahead(q[rows], pad)), *_bhsd(k[keys], v[keys], group=group),
+            *_bhsd(_ahead(out[rows], pad)), _ahead(lse[:, rows].T, pad, float("inf")).T[None].contiguous(),
+            0.0, True, scale=scale)
+        dq[rows] = parts[0][0, :, pad:].transpose(0, 1)
         for target, part in zip((dk, dv), parts[1:]):  # summed over the query heads of each key/value head
             target[keys] = part[0].transpose(0, 1).unflatten(1, (k.shape[1], group)).sum(2)
     return dq, dk, dv
 
 
+def _rows(q, k, cu_q, cu_k):
+    """Per sequence: (q rows, k rows, GQA group, keys beyond the queries)."""
+    group = q.shape[1] // k.shape[1]
+    for qs, qe, ks, ke in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
+        yield slice(qs, qe), slice(ks, ke), group, (ke - ks) - (qe - qs)
+
+
+def _ahead(x: torch.Tensor, rows: int, value: float = 0.0) -> torch.Tensor:
+    """``x`` after ``rows`` rows of ``value``."""
+    return torch.cat([x.new_full((rows, *x.shape[1:]), value), x]) if rows else x
+
+
 def _bhsd(*xs, group: int = 1):
     """``[n, H, D]`` tensors as the CPU kernel's ``[1, H * group, n, D]``."""
     return [x.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0) for x in xs]
-
-
-def _one_sequence(rows: slice, keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor([0, rows.stop - rows.start], dtype=torch.int32),
-            torch.tensor([0, keys.stop - keys.start], dtype=torch.int32))
 
 
 _MATH = {"forward": forward, "backward": backward}
