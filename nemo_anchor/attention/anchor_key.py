@@ -40,16 +40,18 @@ class AnchorPlan:
     ``tiles``: int32 ``[n_tiles, 3]``, ``(first row, end row, anchor key position)`` of at most
     ``TILE_ROWS`` consecutive rows of q that see the same anchor (the Triton kernels' work items).
     ``slot_tiles``: int32 ``[n_anchors + 1]``: the tiles of the i-th anchor are ``slot_tiles[i]:slot_tiles[i + 1]``.
-    ``slot_keys``: int64 ``[n_anchors + 1]``: the key position of each anchor, then 0 (a placeholder slot).
-    ``row_slot``: int64 ``[Tq]``: the anchor (index into ``slot_keys``) of each row of q; ``n_anchors`` for none.
-    ``row_bias``: fp32 ``[Tq, 1]``: 0 for rows that see an anchor, ``-inf`` for the others.
+    ``anchors``: int64 ``[n_anchors]``: the key position of each anchor.
+    For the torch fallback, per row of q: ``row_slot`` int64 ``[Tq]``, its anchor's index (``n_anchors``
+    for none); ``row_key`` int64 ``[Tq]``, its anchor's key position (0 for none); ``row_bias`` fp32
+    ``[Tq, 1, 1]``, 0, or ``-inf`` for none.
     """
 
     documents: VarlenPlan
     tiles: torch.Tensor
     slot_tiles: torch.Tensor
-    slot_keys: torch.Tensor
+    anchors: torch.Tensor
     row_slot: torch.Tensor
+    row_key: torch.Tensor
     row_bias: torch.Tensor
 
 
@@ -65,13 +67,12 @@ def anchor_plan(blocks: tuple[QueryBlock, ...], q_offset: int, device: torch.dev
             runs.setdefault(block.anchor, []).append((block.start - q_offset, block.end - q_offset))
     q_len = blocks[-1].end - q_offset
     tiles, slot_tiles = [], [0]
-    row_slot = torch.full((q_len,), len(runs), dtype=torch.int64)
-    row_bias = torch.full((q_len, 1), float("-inf"))
+    row_slot, row_key = torch.full((q_len,), len(runs), dtype=torch.int64), torch.zeros(q_len, dtype=torch.int64)
+    row_bias = torch.full((q_len, 1, 1), float("-inf"))
     for slot, (anchor, rows) in enumerate(runs.items()):
         for start, end in rows:
             tiles += [(first, min(end, first + TILE_ROWS), anchor) for first in range(start, end, TILE_ROWS)]
-            row_slot[start:end] = slot
-            row_bias[start:end] = 0.0
+            row_slot[start:end], row_key[start:end], row_bias[start:end] = slot, anchor, 0.0
         slot_tiles.append(len(tiles))
 
     def on_device(x) -> torch.Tensor:
@@ -79,8 +80,8 @@ def anchor_plan(blocks: tuple[QueryBlock, ...], q_offset: int, device: torch.dev
 
     plain = tuple(QueryBlock(b.key_start, b.start, b.end, None) for b in blocks)
     return AnchorPlan(varlen_plan(plain, device), on_device(torch.tensor(tiles, dtype=torch.int32)),
-                      on_device(torch.tensor(slot_tiles, dtype=torch.int32)),
-                      on_device(torch.tensor([*runs, 0], dtype=torch.int64)), on_device(row_slot), on_device(row_bias))
+                      on_device(torch.tensor(slot_tiles, dtype=torch.int32)), on_device(torch.tensor(list(runs))),
+                      on_device(row_slot), on_device(row_key), on_device(row_bias))
 
 
 def merge_anchor(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -103,14 +104,13 @@ def merge_anchor(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch
     if kernels is not None and kernels.runs_on(q.device):
         kernels.merge(out, lse, q, k, v, plan, scale)
         return
-    s, k_rows, v_rows, q32 = _scores(q, k, v, plan, scale)
-    doc = lse.T  # [Tq, Hq]
-    # logaddexp written out (torch.logaddexp rounds differently with the tensor's size, see cpu._merge)
-    merged = torch.maximum(doc, s) + torch.log1p(torch.exp(-(doc - s).abs()))
-    keep, take = _grouped((doc - merged).exp(), k.shape[1]), _grouped((s - merged).exp(), k.shape[1])
-    mixed = torch.addcmul(_grouped(out, k.shape[1]).float() * keep[..., None], take[..., None], v_rows[:, :, None])
-    out.copy_(mixed.flatten(1, 2))
-    lse.copy_(merged.T)
+    s, k_rows, v_rows, _ = _scores(q, k, v, plan, scale)
+    doc = _grouped(lse.T, k.shape[1])  # [Tq, Hkv, group], a view of lse
+    merged = torch.logaddexp(doc, s)  # = doc where s = -inf (no anchor)
+    mixed = torch.addcmul(_grouped(out, k.shape[1]) * (doc - merged).exp().unsqueeze(-1),
+                          (s - merged).exp().unsqueeze(-1), v_rows.unsqueeze(2))
+    _grouped(out, k.shape[1]).copy_(mixed)
+    doc.copy_(merged)
 
 
 def merge_anchor_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dout: torch.Tensor, q: torch.Tensor,
@@ -134,27 +134,26 @@ def merge_anchor_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, 
         kernels.merge_backward(dq, dk, dv, dout, q, k, v, out, lse, plan, scale)
         return
     kv_heads = k.shape[1]
-    s, k_rows, v_rows, q32 = _scores(q, k, v, plan, scale)
-    p = _grouped((s - lse.T).exp(), kv_heads)  # [Tq, Hkv, group]; 0 where no anchor
+    s, k_rows, v_rows, q_grouped = _scores(q, k, v, plan, scale)
+    p = (s - _grouped(lse.T, kv_heads)).exp()  # [Tq, Hkv, group]: the anchor's probability, 0 where none
     do = _grouped(dout, kv_heads).float()
-    row_dot = (do * _grouped(out, kv_heads).float()).sum(-1)  # FlashAttention's D_i = dO . O
-    ds = p * (torch.einsum("tkgd,tkd->tkg", do, v_rows) - row_dot)
-    dq.copy_(torch.addcmul(_grouped(dq, kv_heads).float(), ds[..., None] * scale, k_rows[:, :, None]).flatten(1, 2))
-    anchors = plan.slot_keys[:-1]
-    for grad, share in ((dk, torch.einsum("tkg,tkgd->tkd", ds, q32) * scale), (dv, torch.einsum("tkg,tkgd->tkd", p, do))):
-        per_anchor = torch.zeros(len(plan.slot_keys), *grad.shape[1:], dtype=torch.float32, device=grad.device)
-        per_anchor.index_add_(0, plan.row_slot, share)
-        grad[anchors] = (grad[anchors].float() + per_anchor[:-1]).to(grad.dtype)
+    row_dot = (do * _grouped(out, kv_heads)).sum(-1)  # FlashAttention's D_i = dO . O
+    ds = (p * ((do * v_rows.unsqueeze(2)).sum(-1) - row_dot)).unsqueeze(-1)
+    dq_grouped = _grouped(dq, kv_heads)
+    dq_grouped.copy_(torch.addcmul(dq_grouped, ds, k_rows.unsqueeze(2), value=scale))
+    per_anchor = torch.zeros(2, len(plan.anchors) + 1, *k.shape[1:], dtype=torch.float32, device=k.device)
+    shares = torch.stack([(ds * q_grouped).sum(2) * scale, (p.unsqueeze(-1) * do).sum(2)])  # [2, Tq, Hkv, D]
+    per_anchor.index_add_(1, plan.row_slot, shares)
+    for grad, share in zip((dk, dv), per_anchor[:, :-1]):
+        grad[plan.anchors] = (grad[plan.anchors] + share).to(grad.dtype)
 
 
 def _scores(q, k, v, plan: AnchorPlan, scale: float):
-    """fp32 ``s`` ``[Tq, Hq]`` (``-inf`` for rows without anchor), each row's anchor key and value (fp32
-    ``[Tq, Hkv, D]``), and q in fp32 grouped ``[Tq, Hkv, group, D]``."""
-    keys = plan.slot_keys.index_select(0, plan.row_slot)  # each row's anchor position
-    k_rows, v_rows = k.index_select(0, keys).float(), v.index_select(0, keys).float()
-    q32 = _grouped(q, k.shape[1]).float()
-    s = torch.einsum("tkgd,tkd->tkg", q32, k_rows).flatten(1) * scale + plan.row_bias
-    return s, k_rows, v_rows, q32
+    """fp32 ``s`` ``[Tq, Hkv, group]`` (``-inf`` for rows without anchor), each row's anchor key and value (fp32
+    ``[Tq, Hkv, D]``), and q grouped ``[Tq, Hkv, group, D]`` in fp32."""
+    k_rows, v_rows = k.index_select(0, plan.row_key).float(), v.index_select(0, plan.row_key).float()
+    q_grouped = _grouped(q, k.shape[1]).float()
+    return torch.add(plan.row_bias, (q_grouped * k_rows.unsqueeze(2)).sum(-1), alpha=scale), k_rows, v_rows, q_grouped
 
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 KERNELS = ("forward_kernel", "backward_kernel", "finish_kernel")
-BLOCK_M = 64  # query rows per step of a program
+BLOCK_M = 32  # query rows per step of a program: three [BLOCK_M, D] fp32 blocks live in the backward
 # what ``triton.jit`` below made of the kernels: interpreted (TRITON_INTERPRET=1 when this module
 # was imported) they run on CPU tensors, compiled on CUDA ones
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -101,11 +101,11 @@ def backward_kernel(dq, partial, dout, q, k, v, out, lse, tiles, scale, half, dq
 
 
 @triton.jit
-def finish_kernel(dk, dv, partial, slot_tiles, slot_keys, half, dk_t, dk_h, dv_t, dv_h, KV_HEADS: tl.constexpr,
+def finish_kernel(dk, dv, partial, slot_tiles, anchors, half, dk_t, dk_h, dv_t, dv_h, KV_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     slot, kv_head = tl.program_id(0), tl.program_id(1)
     first, last = tl.load(slot_tiles + slot), tl.load(slot_tiles + slot + 1)
-    anchor = tl.load(slot_keys + slot).to(tl.int64)
+    anchor = tl.load(anchors + slot)
     d = tl.arange(0, BLOCK_D)
     in_d = d < HEAD_DIM
     dk_a = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -140,6 +140,6 @@ def merge_backward(dq, dk, dv, dout, q, k, v, out, lse, plan, scale: float) -> N
         dout.stride(0), dout.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         KV_HEADS=kv_heads, GROUP=q.shape[1] // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M)
-    finish_kernel[(plan.slot_tiles.shape[0] - 1, kv_heads)](
-        dk, dv, partial, plan.slot_tiles, plan.slot_keys, half, dk.stride(0), dk.stride(1), dv.stride(0),
+    finish_kernel[(plan.anchors.shape[0], kv_heads)](
+        dk, dv, partial, plan.slot_tiles, plan.anchors, half, dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d)
