@@ -192,7 +192,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=32 if cuda else 2)
     parser.add_argument("--kv-heads", type=int, default=8 if cuda else 1)
     parser.add_argument("--head-dim", type=int, default=128 if cuda else 16)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16" if cuda else "float32")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        default="bfloat16" if cuda else "float32")
     parser.add_argument("--mean-document", type=float, default=1024, help="mean document length (log-normal)")
     parser.add_argument("--window", type=int, default=None, help="tokens per window (default: one window)")
     parser.add_argument("--paths", nargs="+", choices=["merge", "kv_copy"], default=["merge"],
@@ -224,8 +225,8 @@ def main(argv=None) -> int:
             rows.append((tokens, intra, anchors))
 
     where = (f"CUDA {torch.cuda.get_device_name()}" if cuda else "CPU, stand-in kernels (no times: not a GPU)")
-    print(f"\nlaunches per layer, backend {args.backend}, {where}; heads {args.heads}/{args.kv_heads}, d={args.head_dim}, "
-          f"{args.dtype}, documents of mean {args.mean_document:.0f} tokens, "
+    print(f"\nlaunches per layer, backend {args.backend}, {where}; heads {args.heads}/{args.kv_heads}, "
+          f"d={args.head_dim}, {args.dtype}, documents of mean {args.mean_document:.0f} tokens, "
           f"{'one window' if not args.window else f'windows of {args.window}'}")
     header = ["T", "pass", "intra_doc"]
     for path in args.paths:

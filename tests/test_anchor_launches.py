@@ -51,3 +51,21 @@ def test_the_benchmarks_stand_in_math_is_the_exact_stand_ins():
                                  varlen_standins.cpu_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.3),
                                  varlen_standins.backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.3)):
         torch.testing.assert_close(fast, exact, msg=name)
+
+
+def test_the_benchmark_prints_its_table(monkeypatch, capsys):
+    """One row per length and pass; the added launches and the ratio follow from the counts printed beside them."""
+    from bench_launches import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--tokens", "256", "512", "--window", "128", "--mean-document", "40", "--paths", "merge",
+                     "kv_copy", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| T ") and not set(line) <= set("|- ")]
+    assert [(row[0], row[1]) for row in rows] == [(t, p) for t in ("256", "512") for p in ("forward", "backward")]
+    for _, _, intra, *paths in rows:
+        for anchor, added, ratio in zip(paths[0::3], paths[1::3], paths[2::3]):
+            assert int(added) == int(anchor) - int(intra) and float(ratio) == round(int(anchor) / int(intra), 2)
