@@ -74,6 +74,12 @@ def torch_varlen_attn() -> tuple[Callable[..., Any] | None, str | None]:
     return (kernel, None) if kernel is not None else (None, "torch.nn.attention.varlen has no varlen_attn")
 
 
+def anchor_key_triton() -> tuple[ModuleType | None, str | None]:
+    """Our Triton kernels that merge the window anchor (:mod:`nemo_anchor.attention.anchor_key_triton`; they
+    need ``triton``, which every CUDA torch wheel brings), or None and why they are unavailable."""
+    return _import("nemo_anchor.attention.anchor_key_triton")
+
+
 def torch_flash_attention_ops() -> tuple[tuple[Callable[..., Any], Callable[..., Any]] | None, str | None]:
     """``(torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward)``, or None and why not.
 

@@ -185,46 +185,20 @@ class DotProductAttentionStandin(torch.nn.Module):
         assert query_layer.shape[1:] == (self.heads, self.head_dim) and key_layer.shape[1] == self.kv_heads
         varlen_standins.check_contract(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv,
                                        max_seqlen_q, max_seqlen_kv)
-        out = _Differentiable.apply(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv, self.scale)
+        out = varlen_standins.Differentiable.apply(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv,
+                                                   self.scale)
         return out.reshape(out.shape[0], -1)
-
-
-class _Differentiable(torch.autograd.Function):
-    """The fp64 varlen forward with FlashAttention's backward, for stand-ins whose library owns the autograd."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, scale):
-        out, lse = varlen_standins.forward(q, k, v, cu_q, cu_k, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        return (*varlen_standins.backward(dout, q, k, v, out, lse, cu_q, cu_k, ctx.scale), None, None, None)
-
-
-def _with_autograd(kernel, scale_of=lambda args, kwargs: kwargs["softmax_scale"]):
-    """A stand-in varlen function whose output is differentiable, as the library's own autograd makes it."""
-    def call(q, k, v, *args, **kwargs):
-        result = kernel(q, k, v, *args, **kwargs)
-        if not torch.is_grad_enabled():
-            return result
-        cu_q, cu_k = (args[0], args[1]) if args else (kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"])
-        out = _Differentiable.apply(q, k, v, cu_q, cu_k, scale_of(args, kwargs))
-        return (out, *result[1:]) if isinstance(result, tuple) else out
-    return call
 
 
 @pytest.fixture
 def gpu_standins(monkeypatch):
     """The flash, fa3, fa4 and te backends run on CPU tensors with the stand-in kernels."""
-    monkeypatch.setattr(gpu, "flash_attn_varlen_func", lambda: (_with_autograd(varlen_standins.flash_attn_varlen_func), None))
+    differentiable = varlen_standins.with_autograd
+    monkeypatch.setattr(gpu, "flash_attn_varlen_func", lambda: (differentiable(varlen_standins.flash_attn_varlen_func), None))
     monkeypatch.setattr(gpu, "flash_attn_varlen_backward", lambda: (varlen_standins.flash_attn_varlen_backward, None))
-    monkeypatch.setattr(gpu, "flash_attn_3_varlen_func", lambda: (_with_autograd(varlen_standins.fa3_varlen_func), None))
+    monkeypatch.setattr(gpu, "flash_attn_3_varlen_func", lambda: (differentiable(varlen_standins.fa3_varlen_func), None))
     monkeypatch.setattr(gpu, "flash_attn_3_backward", lambda: (varlen_standins.fa3_backward, None))
-    monkeypatch.setattr(gpu, "flash_attn_4_varlen_func", lambda: (_with_autograd(varlen_standins.fa4_varlen_func), None))
+    monkeypatch.setattr(gpu, "flash_attn_4_varlen_func", lambda: (differentiable(varlen_standins.fa4_varlen_func), None))
     monkeypatch.setattr(gpu, "flash_attn_4_backward", lambda: (varlen_standins.fa4_backward, None))
     fake_te = types.SimpleNamespace(DotProductAttention=DotProductAttentionStandin)
     monkeypatch.setattr(gpu, "transformer_engine_pytorch", lambda: (fake_te, None))
