@@ -188,6 +188,16 @@ def device_memory() -> int | None:
     return int(done.stdout.split()[-1]) or None
 
 
+def gpu_bytes_of(text: str) -> int:
+    """``--gpu-memory``: the bytes PyTorch can allocate on that GPU (``nemo_anchor.training.memory.gpu_memory``)."""
+    from nemo_anchor.training.memory import gpu_memory
+
+    try:
+        return gpu_memory(text)[0]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def te_fusions() -> bool:
     """Whether the engine runs Megatron's fused cross entropy and bias-SwiGLU (the planner's ``fusions``)."""
     from nemo_anchor import gpu
@@ -270,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=tuple(SHAPES), default="tiny", help="model shape (default: tiny)")
     parser.add_argument("--layers", default=None,
                         help="a layer count, or auto: as many as the planner fits one GPU (default: the shape's)")
-    parser.add_argument("--gpu-memory", metavar="GB|CARD", help="plan against this GPU (default: this machine's)")
+    parser.add_argument("--gpu-memory", type=gpu_bytes_of, metavar="GB|CARD",
+                        help="plan against this GPU: nominal GB or a card name (default: this machine's GPU)")
     parser.add_argument("--mean-doc", type=float, default=600 * math.exp(0.5), help="mean document length")
     parser.add_argument("--anchor-paths", nargs="+", choices=ANCHOR_PATHS, default=["merge"])
     parser.add_argument("--same-family", action="store_true",
@@ -289,13 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     import torch
 
-    from nemo_anchor.training.memory import gpu_memory
-
     if args.tree is not None and not (args.tree / "nemo_anchor" / "__init__.py").is_file():
         print(f"bench_train: --tree {args.tree}: no nemo_anchor package there (docs/results.md says how to unpack one)")
         return 2
     cuda = torch.cuda.is_available()
-    gpu_bytes = gpu_memory(args.gpu_memory)[0] if args.gpu_memory else device_memory() if cuda else None
+    gpu_bytes = args.gpu_memory or (device_memory() if cuda else None)
     if args.precision == "auto" and cuda:
         args.precision = "bf16"
     elif args.precision == "auto":
@@ -343,6 +352,11 @@ def one_run(args, run: Run, layers: str, gpu_bytes: int | None, fusions: bool, t
         return {**row, "status": f"FAIL: {why}"}
     row.update(layers=model.num_layers,
                recompute=(model.recompute_num_layers or model.num_layers) if model.recompute == "full" else 0)
+    if gpu_bytes is not None:  # what the planner expects, beside the measured peak
+        from nemo_anchor.training.memory import Layout, plan_memory
+
+        row["planned_gib"] = plan_memory(model, vocab, Layout(1), gpu_bytes=gpu_bytes, micro_batch_size=1,
+                                         bf16=args.precision == "bf16", fusions=fusions).total / GIB
     spec = {"model": asdict(model), "vocab": vocab, "steps": args.steps,
             "warmup": args.warmup, "seed": 0, "mean_doc": args.mean_doc, "precision": args.precision,
             "profile": args.profile}

@@ -36,7 +36,6 @@ TIMED_OUT = (124, 137)  # timeout(1): the limit, then the kill
 # the shapes the targets are judged at: (part, window)
 SMOLLM2_8K, LLAMA8B_32K, LLAMA8B_64K = ("smollm2", 8192), ("llama8b_32k", 32768), ("llama8b_64k", 65536)
 KERNEL_LENGTHS = (32768, 65536, 131072)
-SMOKE_LENGTHS = {"smollm2": 256, "llama8b_32k": 256, "llama8b_64k": 512}  # --cpu-smoke's windows (gpu_suite.sh)
 TARGETS = (  # issue 35, item 7
     "anchor tokens/s >= 0.97x intra_doc at every shape",
     "anchor tokens/s >= full at 8K (SmolLM2)",
@@ -178,12 +177,16 @@ def _judge(target: str, shape: str, basis: str, value: float | None, bound: floa
             "status": "PASS" if ok else "FAIL"}
 
 
+def _tokens(length: int) -> str:
+    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
 def _shape_name(results: dict, shape: tuple[str, int]) -> str:
     part, length = shape
     row = _model_row(results, part, length, "anchor")
     layers = f", {row['layers']} layers" if row else ""
     model = row["shape"] if row else part
-    return f"{model}{layers}, {length // 1024}K"
+    return f"{model}{layers}, {_tokens(length)}"
 
 
 def targets(results: dict) -> list[dict]:
@@ -191,8 +194,9 @@ def targets(results: dict) -> list[dict]:
     that says why. Model ratios compare the anchor with the other type on the same kernel family (and, where
     auto chose another family for it, each on its best too); the kernel ratio compares anchor and intra_doc
     on the backend auto picks for intra_doc."""
-    smoke = (results.get("environment") or {}).get("gpu") == "cpu"
-    shape_of = {s: (s[0], SMOKE_LENGTHS[s[0]]) if smoke else s for s in (SMOLLM2_8K, LLAMA8B_32K, LLAMA8B_64K)}
+    smoke = (results.get("environment") or {}).get("gpu") == "cpu"  # --cpu-smoke: toy windows
+    shape_of = {(part, length): (part, next((r["length"] for r in results.get(part, []) if r["status"] == "ok"), length)
+                                 if smoke else length) for part, length in (SMOLLM2_8K, LLAMA8B_32K, LLAMA8B_64K)}
     rows = []
     for shape in (SMOLLM2_8K, LLAMA8B_32K, LLAMA8B_64K):
         at = shape_of[shape]
@@ -211,7 +215,7 @@ def targets(results: dict) -> list[dict]:
         rows.append(_judge(TARGETS[2], _shape_name(results, at), basis, ratio, 0.5, True,
                            f"{ratio:.3f}x ({anchor['step_s']:.2f} s / {other['step_s']:.2f} s)" if ratio else "", why))
     anchor = _model_row(results, *at, "anchor")
-    rows.append(_judge(TARGETS[3], _shape_name(results, at), anchor["backend"] if anchor else "", 
+    rows.append(_judge(TARGETS[3], _shape_name(results, at), anchor["backend"] if anchor else "",
                        anchor["mfu"] if anchor else None, 0.40, False,
                        f"{anchor['mfu']:.1%} (HFU {anchor['hfu']:.1%})" if anchor else "",
                        _why_missing(results, *at, "anchor")))
@@ -226,9 +230,9 @@ def targets(results: dict) -> list[dict]:
         why = next((f"not measured: {r['status']}" for r in results.get("speed", [])
                     if r.get("tokens") in (length, "-") and r["status"].startswith("FAIL")),
                    f"not measured: no anchor and intra_doc rows on one backend at {length}")
-        rows.append(_judge(TARGETS[4], f"kernel, {length // 1024}K", intra["backend"] if intra else "", ratio, 0.95,
-                           False, f"{ratio:.3f}x ({anchor['fwd_bwd_tflops']:.0f} / {intra['fwd_bwd_tflops']:.0f})"
-                           if ratio else "", why))
+        rows.append(_judge(TARGETS[4], f"kernel, {_tokens(length)}", intra["backend"] if intra else "", ratio, 0.95,
+                           False, f"{ratio:.3f}x ({anchor['fwd_bwd_tflops']:.3g} / {intra['fwd_bwd_tflops']:.3g} "
+                           "TFLOP/s)" if ratio else "", why))
     return rows
 
 
@@ -240,13 +244,14 @@ def _model_table(rows: list[dict]) -> str:
         if r["status"] != "ok":
             body.append([r.get("part", ""), r.get("tree", "-"), r.get("shape", "-"), r.get("length", "-"),
                          r.get("attention_type", "-"), r.get("requested_backend", "-"), r.get("anchor_path", "-"),
-                         "-", "-", "-", "-", "-", "-", "-", r["status"]])
+                         "-", "-", "-", "-", "-", "-", "-", "-", r["status"]])
             continue
         body.append([r["part"], r["tree"], r["shape"], r["length"], r["attention_type"], r["backend"], r["anchor_path"],
                      r["layers"], r["recompute"], round(r["step_s"], 3), round(r["tokens_per_s"]), f"{r['mfu']:.1%}",
-                     f"{r['hfu']:.1%}", round(r["peak_gib"], 1), "ok" + (f" ({r['note']})" if r.get("note") else "")])
+                     f"{r['hfu']:.1%}", round(r["peak_gib"], 1), round(r.get("planned_gib", float("nan")), 1),
+                     "ok" + (f" ({r['note']})" if r.get("note") else "")])
     return check.table(["part", "tree", "shape", "tokens", "attention_type", "backend", "anchor path", "layers",
-                        "recomputed", "step s", "tokens/s", "MFU", "HFU", "peak GiB", "status"], body)
+                        "recomputed", "step s", "tokens/s", "MFU", "HFU", "peak GiB", "planned GiB", "status"], body)
 
 
 def _side_by_side(results: dict) -> list[str]:

@@ -70,8 +70,10 @@ run_part() {  # name, seconds, command...: the part's limit is its own or what t
     [ $left -lt $limit ] && limit=$left
     [ $limit -lt 5 ] && limit=5
     DEADLINE=$((limit - 8)) timeout --kill-after=10 "$limit" bash -c '"$@"' part "$@" > "$OUT/$name.log" 2>&1
-    echo "$? $(( $(date +%s) - begin )) $limit" > "$OUT/$name.rc"
-    echo "gpu_suite: $name: exit $(cut -d' ' -f1 "$OUT/$name.rc") after $(( $(date +%s) - begin )) s (limit $limit s)"
+    local code=$?
+    echo "$code $(( $(date +%s) - begin )) $limit" > "$OUT/$name.rc"
+    echo "gpu_suite: $name: exit $code after $(( $(date +%s) - begin )) s (limit $limit s)"
+    [ $code = 0 ] || grep -h "FAILED\|FAIL:" "$OUT/$name.log" | head -5  # say it here, not only in the log
 }
 check() {  # part name, then scripts/gpu_check.py arguments
     local name=$1
