@@ -261,14 +261,16 @@ def runs_of(length: int, kinds: list[str], anchor_paths: list[str]) -> tuple[lis
 
 def same_family_runs(rows: list[dict], length: int) -> list[Run]:
     """Where ``auto`` put a type on another kernel family than the anchor at ``length``: that type on the anchor's
-    backend. A backend's name is its kernel family here (each wraps one library's kernels)."""
-    done = {r["attention_type"]: r.get("backend") for r in rows
-            if r["length"] == length and r["requested_backend"] == "auto" and r["anchor_path"] == "merge"}
+    backend (``nemo_anchor.gpu_check.kernel_family``)."""
+    from nemo_anchor.gpu_check import kernel_family
+
+    done = {r["attention_type"]: r["backend"] for r in rows if r["status"] == "ok" and r["length"] == length
+            and r["requested_backend"] == "auto" and r["anchor_path"] == "merge"}
     anchor = done.get("anchor")
     if anchor is None:
         return []
     return [Run(kind, length, backend=anchor, note="same kernel family as anchor")
-            for kind, backend in done.items() if kind != "anchor" and backend not in (None, anchor)]
+            for kind, backend in done.items() if kind != "anchor" and kernel_family(backend) != kernel_family(anchor)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,12 +136,12 @@ def _run_name(r: dict) -> str:
 
 # --- targets ------------------------------------------------------------------------------------------
 
-def _model_row(results: dict, part: str, length: int, kind: str, backend: str | None = None,
+def _model_row(results: dict, part: str, length: int, kind: str, family: str | None = None,
                path: str = "merge") -> dict | None:
-    """The finished run of ``kind`` at (``part``, ``length``): on ``backend`` if given, else ``auto``'s choice."""
+    """The finished run of ``kind`` at (``part``, ``length``): on that kernel family if given, else ``auto``'s choice."""
     for r in results.get(part, []):
-        if (r["status"] == "ok" and r["attention_type"] == kind and r["length"] == length
-                and r["anchor_path"] == path and (r["backend"] == backend if backend else r["requested_backend"] == "auto")):
+        if (r["status"] == "ok" and r["attention_type"] == kind and r["length"] == length and r["anchor_path"] == path
+                and (check.kernel_family(r["backend"]) == family if family else r["requested_backend"] == "auto")):
             return r
     return None
 
@@ -160,10 +160,10 @@ def _pairs(results: dict, shape: tuple[str, int], other: str) -> list[tuple[str,
     anchor = _model_row(results, part, length, "anchor")
     if anchor is None:
         return [("same kernel family", None, None, _why_missing(results, part, length, "anchor"))]
-    same = _model_row(results, part, length, other, backend=anchor["backend"])
+    same = _model_row(results, part, length, other, family=check.kernel_family(anchor["backend"]))
     best = _model_row(results, part, length, other)
     out = [(f"both on {anchor['backend']}", anchor, same, _why_missing(results, part, length, other))]
-    if best is not None and best["backend"] != anchor["backend"]:
+    if best is not None and check.kernel_family(best["backend"]) != check.kernel_family(anchor["backend"]):
         out.append((f"each on its best: {anchor['backend']} / {best['backend']}", anchor, best, ""))
     return out
 

@@ -112,6 +112,16 @@ def test_each_on_its_best_is_judged_beside_the_same_family(tmp_path):
                     ("each on its best: fa4 / te", "FAIL", pytest.approx(50 / 60))]
 
 
+def test_a_type_auto_put_on_another_kernel_family_runs_again_on_the_anchors():
+    bench = _script("bench_train")
+    rows = [_model_row("smollm2", "full", 8192, 60_000, backend="te"), _model_row("smollm2", "anchor", 8192, 50_000),
+            _model_row("smollm2", "intra_doc", 8192, 52_000),
+            _model_row("smollm2", "full", 32768, 9_000, backend="te")]  # another window: no anchor run there
+    assert bench.same_family_runs(rows, 8192) == [
+        bench.Run("full", 8192, backend="fa4", note="same kernel family as anchor")]
+    assert bench.same_family_runs(rows, 32768) == []
+
+
 def test_preflight_fails_naming_the_package_and_where_it_comes_from(tmp_path, monkeypatch):
     suite = _script("gpu_suite")
     monkeypatch.setattr(check, "SUITE_PACKAGES", {"json": check.IMAGE, "no_such_package_xyz": check.WHEELS})
