@@ -147,17 +147,18 @@ def profile_step(run_step, rows: int = 12) -> str:
 
 # --- the plan: layers and recompute from the memory planner ----------------------------------------------
 
-def planned_model(shape: str, run: Run, layers: str, gpu_bytes: int | None, *, bf16: bool, fusions: bool):
+def planned_model(shape: str, run: Run, layers: str, gpu_bytes: int | None, *, bf16: bool, fusions: bool,
+                  at_most: int | None = None):
     """(the run's ModelConfig, None) with the planner's layers and recompute, or (None, why nothing fits).
 
-    ``layers``: a count, or ``auto``: the most of the shape's layers that fit one GPU of ``gpu_bytes``
-    with the fewest fully recomputed layers. Without ``gpu_bytes`` (a CPU run and no ``--gpu-memory``)
-    nothing is planned: the shape's layers, no recompute."""
+    ``layers``: a count, or ``auto``: the most of the shape's layers (and of ``at_most``) that fit one GPU of
+    ``gpu_bytes`` with the fewest fully recomputed layers. Without ``gpu_bytes`` (a CPU run and no
+    ``--gpu-memory``) nothing is planned: the shape's layers, no recompute."""
     from nemo_anchor.model.config import ModelConfig
     from nemo_anchor.training import memory
 
     fields, vocab = SHAPES[shape]
-    most = fields["num_layers"] if layers == "auto" else int(layers)
+    most = min(fields["num_layers"], at_most or fields["num_layers"]) if layers == "auto" else int(layers)
     model = ModelConfig(**{**fields, "num_layers": most}, attention_type=run.kind, seq_length=run.length,
                         attention_backend=run.backend)
     if gpu_bytes is None:
@@ -325,13 +326,22 @@ def main(argv: list[str] | None = None) -> int:
           f"{'step s':>8} {'tokens/s':>9} {'x full':>7} {'TFLOP/s':>8} {'MFU':>6} {'HFU':>6} {'peak GiB':>9}", flush=True)
     rows: list[dict] = []
 
+    at_most = None
+
     def do(run: Run) -> None:
-        rows.append(one_run(args, run, layers, gpu_bytes, fusions, tree, started))
+        nonlocal at_most
+        rows.append(one_run(args, run, layers, gpu_bytes, fusions, tree, started, at_most))
         print_row(rows[-1], rows)
         if args.json:
             write_json(args.json, rows)
+        failed = rows[-1]
+        if layers == "auto" and "out of memory" in failed["status"].lower() and failed["layers"] > 1:
+            # the planner's count did not fit after all (its row stays, a FAIL): one layer fewer from here on
+            at_most = failed["layers"] - 1
+            do(replace(run, note=f"{failed['layers']} planned layers ran out of memory"))
 
     for length in args.lengths:
+        at_most = None
         plain, other_paths = runs_of(length, args.kinds, args.anchor_paths)
         for run in plain:
             do(run)
@@ -342,14 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 
-def one_run(args, run: Run, layers: str, gpu_bytes: int | None, fusions: bool, tree: str, started: float) -> dict:
+def one_run(args, run: Run, layers: str, gpu_bytes: int | None, fusions: bool, tree: str, started: float,
+            at_most: int | None = None) -> dict:
     fields, vocab = SHAPES[args.model]
     row = {"shape": args.model, "tree": tree, "attention_type": run.kind, "length": run.length,
            "requested_backend": run.backend, "anchor_path": run.anchor_path, "note": run.note}
     left = None if args.deadline is None else args.deadline - (time.monotonic() - started)
     if left is not None and left < 5:
         return {**row, "status": "FAIL: not run: the part's time ran out"}
-    model, why = planned_model(args.model, run, layers, gpu_bytes, bf16=args.precision == "bf16", fusions=fusions)
+    model, why = planned_model(args.model, run, layers, gpu_bytes, bf16=args.precision == "bf16", fusions=fusions,
+                               at_most=at_most)
     if model is None:
         return {**row, "status": f"FAIL: {why}"}
     row.update(layers=model.num_layers,

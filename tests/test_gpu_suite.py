@@ -122,6 +122,30 @@ def test_a_type_auto_put_on_another_kernel_family_runs_again_on_the_anchors():
     assert bench.same_family_runs(rows, 32768) == []
 
 
+def test_runs_go_on_with_one_layer_fewer_when_the_planned_count_runs_out_of_memory(tmp_path, monkeypatch):
+    """The planner's 6 layers at 32K on an H100: a worker that runs out of memory above 5 layers leaves its FAIL row,
+    and that run and every later one at the window use 5."""
+    bench = _script("bench_train")
+    tried = []
+
+    def worker(spec, env, timeout):
+        layers = spec["model"]["num_layers"]
+        tried.append((spec["model"]["attention_type"], layers))
+        if layers > 5:
+            return {"status": "FAIL: exit 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.9 GiB"}
+        return {"status": "ok", "backend": "fa4", "documents": [0, 16384, 32768], "step_s": 2.0, "peak_tflops": 989.0,
+                "source": str(REPO), "peak_gib": 70.0}
+
+    monkeypatch.setattr(bench, "run_worker", worker)
+    bench.main(["--model", "llama3-8b-layers", "--layers", "auto", "--gpu-memory", "h100-80gb", "--lengths", "32768",
+                "--kinds", "full", "anchor", "--precision", "bf16", "--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert tried == [("full", 6), ("full", 5), ("anchor", 5)]
+    assert [(r["attention_type"], r["layers"], r["status"][:4]) for r in rows] == [
+        ("full", 6, "FAIL"), ("full", 5, "ok"), ("anchor", 5, "ok")]
+    assert rows[1]["note"] == "6 planned layers ran out of memory"
+
+
 def test_preflight_fails_naming_the_package_and_where_it_comes_from(tmp_path, monkeypatch):
     suite = _script("gpu_suite")
     monkeypatch.setattr(check, "SUITE_PACKAGES", {"json": check.IMAGE, "no_such_package_xyz": check.WHEELS})
