@@ -31,7 +31,8 @@
 # call 1: carry [".whl_a"], timeout_s 120:
 #   bash .whl_a/fa4_stage1.sh
 # call 2, at once (the machine keeps stage 1's half for 30 s): carry [".whl", ".whl_b", ".previous"], timeout_s 600:
-#   . .whl_b/fa4_stage2.sh; bash scripts/gpu_suite.sh /tmp/suite > /tmp/suite.log 2>&1; rc=$?;
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl;
+#   export PYTHONPATH=/tmp/site; . .whl_b/fa4_stage2.sh; bash scripts/gpu_suite.sh /tmp/suite > /tmp/suite.log 2>&1; rc=$?;
 #   cp /tmp/suite/gpu_suite.md /tmp/suite/results.md /tmp/suite/gpu_suite.json $OUT/; tar -czf $OUT/suite.tgz
 #   -C /tmp suite suite.log; tail -c 9000 /tmp/suite/gpu_suite.md; exit $rc
 # (without FlashAttention-4, one call: carry [".whl", ".previous"] and begin with
