@@ -18,9 +18,44 @@ import torch
 from nemo_anchor.attention.layout import lognormal_documents, query_blocks
 from nemo_anchor.attention.reference import dense_mask
 
+# What the GPU suite's processes import from outside the standard library and this package, and where the lent
+# GPU machine gets each (../shared/gpu/README.md): its image, or the wheels ../shared/gpu/fetch_wheels.sh lays out
+# in .whl/. scripts/gpu_suite.py imports them all up front; tests/test_gpu_suite.py records every import our
+# code makes in a --cpu-smoke run of the suite and fails on one missing here. antlr4 (omegaconf's parser) and
+# psutil (Megatron's checkpoint writer) are imported by those packages, not by ours, and come as wheels too.
+IMAGE, WHEELS = "its image", "the wheels of ../shared/gpu/fetch_wheels.sh (.whl/)"
+SUITE_PACKAGES = {
+    "torch": IMAGE, "numpy": IMAGE, "tokenizers": IMAGE, "tqdm": IMAGE,
+    "megatron.core": WHEELS, "omegaconf": WHEELS, "antlr4": WHEELS, "xxhash": WHEELS, "psutil": WHEELS,
+}
 ATOL = 1e-3  # relative to max(1, |reference|): the "small atol" of the acceptance rule
 FLOPS_PER_PAIR_FORWARD = 4  # per head and head_dim unit: q.k and p.v, a multiply and an add each
 BACKWARD_FACTOR = 2.5  # forward+backward = 3.5x forward, FlashAttention's convention
+
+
+def environment() -> dict:
+    """The date, the device and the attention libraries this process finds (the header of every report)."""
+    import datetime
+    import inspect
+
+    from nemo_anchor import gpu
+
+    kernel, reason = gpu.torch_varlen_attn()
+    installed = {name: "yes" if found is not None else why for name, (found, why) in (
+        ("flash-attn 2", gpu.flash_attn_varlen_func()), ("FlashAttention-3", gpu.flash_attn_3_varlen_func()),
+        ("FlashAttention-4", gpu.flash_attn_4_varlen_func()), ("Transformer Engine", gpu.transformer_engine_pytorch()))}
+    cuda = torch.cuda.is_available()
+    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "gpus": torch.cuda.device_count(),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else "-",
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "varlen_attn": f"varlen_attn{inspect.signature(kernel)}" if kernel else reason, **installed}
+
+
+def kernel_family(backend: str) -> str:
+    """The kernel family of an attention backend, for comparing attention types like for like: each backend wraps
+    one library's kernels, so its name is its family (until ``nemo_anchor.attention.functional`` says it)."""
+    return backend
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -131,7 +166,7 @@ def attention_tflops(pairs: int, heads: int, head_dim: int, seconds: float, back
     return flops / seconds / 1e12
 
 
-def _table(header: list[str], rows: list[list]) -> str:
+def table(header: list[str], rows: list[list]) -> str:
     def cell(x):
         if isinstance(x, float):
             return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.0f}"
@@ -144,19 +179,26 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 TRAINING_SECTIONS = {
     "training": "Training (small Llama-shaped model, bf16, the trainer's engine)",
-    "smollm2": "SmolLM2-135M training on one GPU (its shape, randomly initialised; bf16)",
     "cp2": "Context parallel 2 (torchrun, two GPUs)",
 }
 
 
 def markdown_report(results: dict, title: str = "gpu_check") -> str:
-    """The results of ``scripts/gpu_check.py`` (or the suite's merge of them) as markdown: a header and one
-    table per section."""
+    """The results of ``scripts/gpu_check.py`` as markdown: a header, one table per section, the failures."""
     out = [f"# {title}", ""]
     if results.get("skipped"):
         return "\n".join(out + [f"Skipped: {results['skipped']}", ""])
     env = results.get("environment", {})
     out += [", ".join(f"{k}: {v}" for k, v in env.items()), ""]
+    out += section_tables(results)
+    failures = failure_lines(results)
+    out += ["## Failures", ""] + ([f"- {line}" for line in failures] or ["none"]) + [""]
+    return "\n".join(out)
+
+
+def section_tables(results: dict) -> list[str]:
+    """Markdown lines: one table per section of ``results`` that ``scripts/gpu_check.py`` writes."""
+    out = []
     conformance = results.get("conformance", [])
     if conformance:
         out += ["## Conformance (error vs fp32 reference; bound = 2 x plain low-precision error + atol)", ""]
@@ -170,14 +212,14 @@ def markdown_report(results: dict, title: str = "gpu_check") -> str:
             else:
                 rows.append([r["backend"], r.get("dtype", "-"), r.get("mode", "-"), r.get("case", "-"),
                              r["status"], "-", "-", "-"])
-        out += [_table(["backend", "dtype", "mode", "case", "status", "worst", "error", "bound"], rows), ""]
+        out += [table(["backend", "dtype", "mode", "case", "status", "worst", "error", "bound"], rows), ""]
     speed = results.get("speed", [])
     if speed:
         out += ["## Speed (one packed window; TFLOP/s count kept pairs only; x SDPA = SDPA time / time)", ""]
         rows = [[r["tokens"], r.get("documents", "-"), r["method"], r["status"], r.get("fwd_ms", "-"),
                  r.get("fwd_tflops", "-"), r.get("speedup_fwd", "-"), r.get("fwd_bwd_ms", "-"),
                  r.get("fwd_bwd_tflops", "-"), r.get("speedup_fwd_bwd", "-"), r.get("peak_gib", "-")] for r in speed]
-        out += [_table(["tokens", "docs", "method", "status", "fwd ms", "fwd TFLOP/s", "x SDPA fwd", "fwd+bwd ms",
+        out += [table(["tokens", "docs", "method", "status", "fwd ms", "fwd TFLOP/s", "x SDPA fwd", "fwd+bwd ms",
                         "fwd+bwd TFLOP/s", "x SDPA fwd+bwd", "peak GiB (allocated)"], rows), ""]
     for section, heading in TRAINING_SECTIONS.items():
         training = results.get(section, [])
@@ -187,11 +229,9 @@ def markdown_report(results: dict, title: str = "gpu_check") -> str:
         rows = [[r["run"], r["status"], r.get("backend", "-"), r.get("tokens_per_s", "-"),
                  r.get("tflops_per_gpu", "-"), r.get("mfu", "-"), r.get("hfu", "-"), r.get("peak_gib", "-"),
                  r.get("loss_first", "-"), r.get("loss_last", "-"), r.get("loss_falling", "-")] for r in training]
-        out += [_table(["run", "status", "attention backend", "tokens/s", "model TFLOP/s per GPU", "MFU", "HFU",
+        out += [table(["run", "status", "attention backend", "tokens/s", "model TFLOP/s per GPU", "MFU", "HFU",
                         "peak GiB", "first loss", "last loss", "loss falling"], rows), ""]
-    failures = failure_lines(results)
-    out += ["## Failures", ""] + ([f"- {line}" for line in failures] or ["none"]) + [""]
-    return "\n".join(out)
+    return out
 
 
 def failure_lines(results: dict) -> list[str]:

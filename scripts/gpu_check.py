@@ -8,27 +8,27 @@
    and fp16, with flash-attn's acceptance rule (error at most twice that of a plain low-precision
    PyTorch implementation, plus a small atol); and flex's block mask against
    ``create_block_mask(..., _compile=True)``;
-2. speed: forward and forward+backward of anchor attention per backend, and of intra_doc and full
-   through the backend ``auto`` picks, against dense full-causal SDPA (flash) in the same run, on one
+2. speed: forward and forward+backward of anchor attention per backend, and of anchor, intra_doc and
+   full through the backend ``auto`` picks, against dense full-causal SDPA (flash) in the same run, on one
    packed window of 8K, 32K and 128K tokens (log-normal documents, 32 heads, 8 KV heads, head dim
    128, bf16): milliseconds, TFLOP/s over the kept (query, key) pairs, peak memory;
 3. training: 20 steps of a small Llama-shaped model at 16K tokens in bf16 through the trainer's
    engine, attention_type anchor and full: tokens/s, peak memory, loss falling; then cp2;
-4. smollm2: SmolLM2-135M's shape (randomly initialised) on one GPU, anchor against full: tokens/s,
-   model TFLOP/s, MFU and HFU against the GPU's published bf16 peak;
-5. cp2: a context-parallel run (torchrun, cp=2) when 2 or more GPUs are visible.
+4. cp2: a context-parallel run (torchrun, cp=2) when 2 or more GPUs are visible.
+(Model-level tokens/s, MFU and HFU at users' shapes: ``scripts/bench_train.py``; both run in ``scripts/gpu_suite.sh``.)
 
 Writes DIR/gpu_check.json and DIR/gpu_check.md, prints the table and one line per failure; the
-exit status is 1 when something failed. Without CUDA it says why and exits 0 (skipped).
-``--quick`` shrinks every section (smaller layouts, 8K/32K only, 5 steps at 4K).
+exit status is 1 when something failed; a package the training sections need that does not import is a
+failure. Without CUDA it says why and exits 0 (skipped). ``--quick`` shrinks every section (smaller
+layouts, 8K/32K only, 5 steps at 4K). ``--cpu-smoke`` runs the chosen sections on the CPU at toy sizes
+(one small layout, the lengths given, one step each): the plumbing, not the kernels.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import inspect
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -64,12 +64,12 @@ def _run(fn, inputs, grad, dtype):
     return [out.detach(), *torch.autograd.grad(out, leaves, grad.to(dtype))]
 
 
-def conformance(quick: bool, device) -> list[dict]:
+def conformance(quick: bool, device, smoke: bool = False) -> list[dict]:
     from nemo_anchor.attention import anchor_attention
     from nemo_anchor.attention.functional import unavailable_reason
 
-    cases = check.conformance_cases(1024 if quick else 4096, head_shapes=check.HEAD_SHAPES[:1] if quick
-                                    else check.HEAD_SHAPES)
+    cases = check.conformance_cases(64 if smoke else 1024 if quick else 4096,
+                                    head_shapes=check.HEAD_SHAPES[:1] if quick or smoke else check.HEAD_SHAPES)
     rows = []
     for case in cases:
         q, k, v, grad = _inputs(case, device)
@@ -94,7 +94,8 @@ def conformance(quick: bool, device) -> list[dict]:
                                                     zip(("out", "dq", "dk", "dv"), actual, baseline, reference)]})
                 except Exception as error:  # noqa: BLE001 - reported, the check goes on
                     rows.append({**row, "status": _fail(error)})
-        rows.extend(_flex_tiles(case, blocks, device))
+        if not smoke:  # create_block_mask(_compile=True) compiles C++ on the CPU: minutes
+            rows.extend(_flex_tiles(case, blocks, device))
     return _deduplicated_skips(rows)
 
 
@@ -144,12 +145,35 @@ def _deduplicated_skips(rows: list[dict]) -> list[dict]:
 
 # --- 2. speed -----------------------------------------------------------------------------------
 
-def _time_ms(fn, warmup: int, repeats: int) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory since the last reset; on the CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _time_ms(fn, warmup: int, repeats: int, device: torch.device) -> float:
+    """The median of ``repeats`` calls after ``warmup``: CUDA events on a GPU, the host clock on the CPU."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
     times = []
     for _ in range(repeats):
+        if device.type != "cuda":
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -159,14 +183,15 @@ def _time_ms(fn, warmup: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def speed(quick: bool, device, mean_doc: int, lengths: tuple[int, ...] | None = None) -> list[dict]:
+def speed(quick: bool, device, mean_doc: int, lengths: tuple[int, ...] | None = None,
+          repeats: int | None = None) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nemo_anchor.attention import anchor_attention
     from nemo_anchor.attention.functional import select_backend, unavailable_reason
 
     heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
-    warmup, repeats = (2, 3) if quick else (3, 10)
+    warmup, repeats = (2, repeats or 3) if quick else (3, repeats or 10)
     rows = []
     for tokens in lengths or ((8192, 32768) if quick else (8192, 32768, 131072)):
         docs = lognormal_documents(tokens, seed=tokens, mean_tokens=mean_doc)
@@ -183,17 +208,17 @@ def speed(quick: bool, device, mean_doc: int, lengths: tuple[int, ...] | None = 
                     *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True)
             return out[0].transpose(0, 1)
 
-        methods = {"full-causal SDPA (flash)": ("full", sdpa)}
+        methods = {"full-causal SDPA (flash)": ("full", "sdpa", sdpa)}
         for backend in BACKENDS[:-1]:  # the dense reference would need T^2 memory
             reason = unavailable_reason(backend, q, True, "anchor")
-            methods[f"anchor_attention {backend}"] = ("anchor", reason or (
+            methods[f"anchor_attention {backend}"] = ("anchor", backend, reason or (
                 lambda b=backend: anchor_attention(q, k, v, mode="anchor", backend=b, **cu)))
-        for mode in ("intra_doc", "full"):  # the other masks through what auto picks
+        for mode in ("anchor", "intra_doc", "full"):  # each mask through what auto picks
             chosen = select_backend("auto", q, True, mode).__name__.rsplit(".", 1)[-1]
-            methods[f"{mode} ({chosen}, auto)"] = (mode, lambda m=mode: anchor_attention(q, k, v, mode=m, **cu))
+            methods[f"{mode} ({chosen}, auto)"] = (mode, chosen, lambda m=mode: anchor_attention(q, k, v, mode=m, **cu))
         sdpa_ms = None
-        for method, (mode, fn) in methods.items():
-            row = {"tokens": tokens, "documents": len(docs) - 1, "method": method}
+        for method, (mode, backend, fn) in methods.items():
+            row = {"tokens": tokens, "documents": len(docs) - 1, "method": method, "mode": mode, "backend": backend}
             if isinstance(fn, str):
                 rows.append({**row, "status": f"skipped: {fn}"})
                 continue
@@ -201,14 +226,14 @@ def speed(quick: bool, device, mean_doc: int, lengths: tuple[int, ...] | None = 
             try:
                 torch._dynamo.reset()  # a fresh compile budget for flex at this shape
                 with torch.no_grad():
-                    fwd = _time_ms(fn, warmup, repeats)
-                train = _time_ms(lambda: fn().backward(grad), warmup, repeats)
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+                    fwd = _time_ms(fn, warmup, repeats, device)
+                train = _time_ms(lambda: fn().backward(grad), warmup, repeats, device)
+                _sync(device)
+                _reset_peak(device)
                 fn().backward(grad)
-                torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() / 2**30
-                sdpa_ms = (fwd, train) if mode == "full" else sdpa_ms
+                _sync(device)
+                peak = _peak_gib(device)
+                sdpa_ms = (fwd, train) if backend == "sdpa" else sdpa_ms
                 rows.append({**row, "status": "ok", "kept_pairs": pairs, "fwd_ms": fwd, "fwd_bwd_ms": train,
                              "fwd_tflops": check.attention_tflops(pairs, heads, head_dim, fwd / 1e3, backward=False),
                              "fwd_bwd_tflops": check.attention_tflops(pairs, heads, head_dim, train / 1e3, backward=True),
@@ -219,7 +244,8 @@ def speed(quick: bool, device, mean_doc: int, lengths: tuple[int, ...] | None = 
             finally:
                 q.grad = k.grad = v.grad = None
         del q, k, v, grad
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -245,10 +271,7 @@ def _training_batch(tokens: int, vocab: int, mean_doc: int, seed: int) -> dict:
 
 
 SMALL = dict(num_layers=4, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, num_query_groups=2)
-# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json); the weights' values do not change the time
-SMOLLM2_135M = dict(num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9, num_query_groups=3,
-                    tie_embeddings=True, rotary_base="100000")
-SMOLLM2_VOCAB = 49152
+SMOKE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
 
 
 def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, mean_doc: int,
@@ -279,13 +302,13 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
     probe = torch.zeros(1, 8, 64, dtype=torch.bfloat16, device=ctx.device)
     mode = get_attention_type(attention_type).mask
     backend = select_backend(config.model.attention_backend, probe, True, mode).__name__.rsplit(".", 1)[-1]
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak(ctx.device)
     losses, times = [], []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        _sync(ctx.device)
         start = time.perf_counter()
         losses.append(train_step(engine, config, [batch])["loss"])
-        torch.cuda.synchronize()
+        _sync(ctx.device)
         times.append(time.perf_counter() - start)
     step_s = sorted(times[2:] or times)[len(times[2:] or times) // 2]  # the median after two warm-up steps
     head, tail = losses[:3], losses[-3:]
@@ -294,71 +317,66 @@ def _train(attention_type: str, tokens: int, steps: int, context_parallel: int, 
     result = {"status": "ok", "backend": backend, "steps": steps, "tokens": tokens, "step_s": step_s,
               "tokens_per_s": tokens / step_s, "tflops_per_gpu": rates["tflops_per_device"], "mfu": rates["mfu"],
               "hfu": rates["hfu"], "peak_tflops": f"{peak:g} ({peak_source})",
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "peak_gib": _peak_gib(ctx.device),
               "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
               "loss_falling": sum(tail) / len(tail) < sum(head) / len(head)}
     if not result["loss_falling"]:
         result["status"] = "FAIL: the loss did not fall"
     del engine
-    torch.cuda.empty_cache()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
 def _engine_missing(section: str) -> list[dict] | None:
+    """A FAIL row naming the first package the trainer's engine needs that does not import, or None."""
     for module in ("megatron.core", "omegaconf"):  # the engine's and the run config's
         try:
             __import__(module)
         except Exception as error:  # noqa: BLE001
-            return [{"run": section, "status": f"skipped: {module} does not import ({type(error).__name__}: "
+            return [{"run": section, "status": f"FAIL: {module} does not import ({type(error).__name__}: "
                      f"{error}); bring its wheels (../shared/gpu/README.md)"}]
     return None
 
 
-def training(quick: bool, mean_doc: int) -> list[dict]:
-    tokens, steps = (4096, 5) if quick else (16384, 20)
+def _training_size(quick: bool, smoke: bool) -> tuple[int, int, dict, int]:
+    """(tokens, steps, shape, vocabulary) of the training sections."""
+    if smoke:
+        return 128, 6, SMOKE, 256
+    return (4096, 5, SMALL, 2048) if quick else (16384, 20, SMALL, 2048)
+
+
+def training(quick: bool, mean_doc: int, smoke: bool = False) -> list[dict]:
+    tokens, steps, shape, vocab = _training_size(quick, smoke)
     missing = _engine_missing("training")
     if missing:
         return missing
     rows = []
     for attention_type in ("anchor", "full"):
-        run = f"{attention_type}, {tokens} tokens, 1 GPU"
+        run = f"{attention_type}, {tokens} tokens, 1 {'process' if smoke else 'GPU'}"
         try:
-            rows.append({"run": run, **_train(attention_type, tokens, steps, 1, mean_doc)})
+            rows.append({"run": run, **_train(attention_type, tokens, steps, 1, mean_doc, shape, vocab)})
         except Exception as error:  # noqa: BLE001
             rows.append({"run": run, "status": _fail(error)})
-    return rows + cp2(quick, mean_doc)
+    return rows + cp2(quick, mean_doc, smoke)
 
 
-def smollm2(quick: bool, mean_doc: int) -> list[dict]:
-    """SmolLM2-135M's shape on one GPU: anchor against full, with MFU and HFU."""
-    tokens, steps = (4096, 4) if quick else (8192, 8)
-    missing = _engine_missing("smollm2")
-    if missing:
-        return missing
-    rows = []
-    for attention_type in ("anchor", "full"):
-        run = f"SmolLM2-135M {attention_type}, {tokens} tokens, 1 GPU"
-        try:
-            rows.append({"run": run, **_train(attention_type, tokens, steps, 1, mean_doc, SMOLLM2_135M, SMOLLM2_VOCAB)})
-        except Exception as error:  # noqa: BLE001
-            rows.append({"run": run, "status": _fail(error)})
-    return rows
-
-
-def cp2(quick: bool, mean_doc: int) -> list[dict]:
-    """One anchor run over two GPUs with context parallelism 2 (torchrun), when two are visible."""
-    tokens, steps = (4096, 5) if quick else (16384, 20)
+def cp2(quick: bool, mean_doc: int, smoke: bool = False) -> list[dict]:
+    """One anchor run over two GPUs with context parallelism 2 (torchrun), when two are visible (``smoke``: two
+    CPU processes)."""
+    tokens, steps, _, _ = _training_size(quick, smoke)
     missing = _engine_missing("cp2")
     if missing:
         return missing
     rows = []
     gpus = torch.cuda.device_count()
     run = f"anchor, {tokens} tokens, context parallel 2"
-    if gpus < 2:
+    if gpus < 2 and not smoke:
         rows.append({"run": run, "status": f"skipped: {gpus} GPU visible, context parallelism needs 2"})
         return rows
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "--cp-worker", "--tokens", str(tokens), "--steps", str(steps), "--mean-doc", str(mean_doc)]
+               "--cp-worker", "--mean-doc", str(mean_doc), *(["--quick"] if quick else []),
+               *(["--cpu-smoke"] if smoke else [])]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -372,26 +390,14 @@ def cp2(quick: bool, mean_doc: int) -> list[dict]:
 def cp_worker(args) -> None:
     import torch.distributed as dist
 
-    result = _train("anchor", args.tokens, args.steps, 2, args.mean_doc)
+    tokens, steps, shape, vocab = _training_size(args.quick, args.cpu_smoke)
+    result = _train("anchor", tokens, steps, 2, args.mean_doc, shape, vocab)
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 
 # --- the report ---------------------------------------------------------------------------------
-
-def environment() -> dict:
-    from nemo_anchor import gpu
-
-    kernel, reason = gpu.torch_varlen_attn()
-    installed = {name: "yes" if found is not None else why for name, (found, why) in (
-        ("flash-attn 2", gpu.flash_attn_varlen_func()), ("FlashAttention-3", gpu.flash_attn_3_varlen_func()),
-        ("FlashAttention-4", gpu.flash_attn_4_varlen_func()), ("Transformer Engine", gpu.transformer_engine_pytorch()))}
-    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-            "gpus": torch.cuda.device_count(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "varlen_attn": f"varlen_attn{inspect.signature(kernel)}" if kernel else reason, **installed}
-
 
 def write_report(results: dict, output: Path) -> None:
     output.mkdir(parents=True, exist_ok=True)
@@ -405,30 +411,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller layouts, 8K/32K, 5 training steps at 4K")
     parser.add_argument("--output", type=Path, default=Path("gpu_check_out"), help="where the JSON and markdown go")
-    parser.add_argument("--sections", nargs="+", choices=("conformance", "speed", "training", "smollm2", "cp2"),
+    parser.add_argument("--sections", nargs="+", choices=("conformance", "speed", "training", "cp2"),
                         default=["conformance", "speed", "training"])
     parser.add_argument("--lengths", type=int, nargs="+", help="speed: window lengths (default 8K 32K 128K)")
+    parser.add_argument("--repeats", type=int, help="speed: timed calls per method (default 3 with --quick, else 10)")
     parser.add_argument("--mean-doc", type=int, default=4096, help="mean document length (log-normal)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="on the CPU at toy sizes: the plumbing only")
     parser.add_argument("--cp-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cp_worker:
         cp_worker(args)
         return 0
-    reason = check.cuda_unavailable_reason()
+    reason = None if args.cpu_smoke else check.cuda_unavailable_reason()
     if reason is not None:
         results = {"skipped": reason}
         write_report(results, args.output)
         print(f"gpu_check: skipped: {reason}")
         return 0
-    device = torch.device("cuda", torch.cuda.current_device())
-    results = {"environment": environment(), "quick": args.quick}
-    sections = {"conformance": lambda: conformance(args.quick, device),
-                "speed": lambda: speed(args.quick, device, args.mean_doc, args.lengths),
-                "training": lambda: training(args.quick, args.mean_doc),
-                "smollm2": lambda: smollm2(args.quick, args.mean_doc),
-                "cp2": lambda: cp2(args.quick, args.mean_doc)}
+    device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", torch.cuda.current_device())
+    results = {"environment": check.environment(), "quick": args.quick, "cpu_smoke": args.cpu_smoke}
+    smoke = args.cpu_smoke
+    sections = {"conformance": lambda: conformance(args.quick, device, smoke),
+                "speed": lambda: speed(args.quick or smoke, device, args.mean_doc, args.lengths, args.repeats),
+                "training": lambda: training(args.quick, args.mean_doc, smoke),
+                "cp2": lambda: cp2(args.quick, args.mean_doc, smoke)}
     for name in args.sections:
         started = time.perf_counter()
         try:

@@ -80,11 +80,12 @@ def test_bench_train_prints_a_row_per_attention_type():
                "--precision", "fp32")
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("256 ")]
     assert [r[1] for r in rows] == ["full", "anchor"]
-    full_tokens_per_s = float(rows[0][4])
-    for _, _, _, step_s, tokens_per_s, ratio, tflops, mfu, hfu, peak_mb in rows:
+    full_tokens_per_s = float(rows[0][8])
+    for _, _, backend, path, layers, recompute, _, step_s, tokens_per_s, ratio, tflops, mfu, hfu, peak in rows:
+        assert (backend, path, layers, recompute) == ("cpu", "merge", "4", "0")
         assert abs(float(tokens_per_s) - 256 / float(step_s)) <= 1 + 0.01 * float(tokens_per_s)
         assert abs(float(ratio) - float(tokens_per_s) / full_tokens_per_s) <= 0.01 + 0.01 * float(ratio)
-        assert float(tflops) > 0 and 0 < float(mfu.rstrip("%")) and float(peak_mb) > 0
+        assert float(tflops) > 0 and 0 < float(mfu.rstrip("%")) and float(peak) > 0
         assert float(hfu.rstrip("%")) >= float(mfu.rstrip("%"))  # HFU adds recomputation (none here: equal)
 
 

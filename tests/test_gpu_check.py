@@ -153,12 +153,14 @@ def _suite_merge():
 def test_gpu_suite_records_each_broken_part_and_keeps_the_others(tmp_path, capsys):
     """A part that timed out, one that crashed before writing results and one that never ran become FAIL rows;
     the finished part's rows and the environment stay, and the JSON and markdown are written."""
-    smollm2_rows = [{"run": "SmolLM2-135M anchor, 8192 tokens, 1 GPU", "status": "ok", "backend": "torch_varlen",
-                     "tokens_per_s": 50000.0, "tflops_per_gpu": 120.0, "mfu": 0.121, "hfu": 0.121}]
-    (tmp_path / "smollm2").mkdir()
-    (tmp_path / "smollm2" / "gpu_check.json").write_text(json.dumps(
-        {"environment": {"gpu": "NVIDIA H100 80GB HBM3"}, "smollm2": smollm2_rows}))
+    smollm2_rows = [{"shape": "smollm2", "tree": "current", "attention_type": "anchor", "length": 8192,
+                     "requested_backend": "auto", "anchor_path": "merge", "note": "", "status": "ok",
+                     "backend": "torch_varlen", "layers": 30, "recompute": 0, "step_s": 0.16, "tokens_per_s": 51200.0,
+                     "tflops": 120.0, "mfu": 0.121, "hfu": 0.121, "peak_gib": 10.4}]
+    (tmp_path / "smollm2.json").write_text(json.dumps({"rows": smollm2_rows}))
     (tmp_path / "smollm2.rc").write_text("0 61 110\n")
+    (tmp_path / "conformance").mkdir()
+    (tmp_path / "conformance" / "gpu_check.json").write_text(json.dumps({"environment": {"gpu": "NVIDIA H100 80GB HBM3"}}))
     (tmp_path / "speed.rc").write_text("124 200 200\n")
     (tmp_path / "speed.log").write_text("gpu_check: compiling flex at 131072\n")
     (tmp_path / "conformance.rc").write_text("1 12 100\n")
@@ -166,11 +168,13 @@ def test_gpu_suite_records_each_broken_part_and_keeps_the_others(tmp_path, capsy
     status = _suite_merge().main([str(tmp_path)])
     assert status == 1
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
-    assert results["environment"] == {"gpu": "NVIDIA H100 80GB HBM3"} and results["smollm2"] == smollm2_rows
+    assert results["environment"] == {"gpu": "NVIDIA H100 80GB HBM3"}
+    assert results["smollm2"] == [{**smollm2_rows[0], "part": "smollm2"}]
     assert results["speed"][0]["status"] == "FAIL: timed out after 200 s (gpu_check: compiling flex at 131072)"
     assert results["conformance"][0]["status"].startswith("FAIL: exit 1, no results (RuntimeError: CUDA error")
     assert results["cp2"][0]["status"] == "FAIL: the part did not run"
     assert results["suite"]["smollm2"] == {"exit": 0, "seconds": 61, "limit_s": 110}
     text = (tmp_path / "gpu_suite.md").read_text()
-    assert text.startswith("# gpu_suite") and "| MFU | HFU |" in text and "0.121" in text
-    assert len(check.failure_lines(results)) == 3
+    assert text.startswith("# gpu_suite: NVIDIA H100 80GB HBM3") and "| MFU | HFU |" in text and "12.1%" in text
+    parts_that_never_ran = {"preflight", "previous", "llama8b_32k", "llama8b_64k", "cp2"}
+    assert len(_suite_merge().failure_lines(results)) == 2 + len(parts_that_never_ran)

@@ -368,7 +368,8 @@ def fewest_recomputed_layers(model: ModelConfig, vocab_size: int, layout: Layout
     if not every.fits:
         return None
     saved_per_layer = (one.total - every.total) / max(per_stage - 1, 1)
-    layers = 1 if one.fits else min(per_stage, 1 + math.ceil((one.total - one.gpu_bytes) / saved_per_layer))
+    over = one.total + one.headroom - one.gpu_bytes  # what one recomputed layer leaves over the GPU
+    layers = 1 if one.fits else min(per_stage, 1 + math.ceil(over / saved_per_layer))
     while not plan(layers).fits:  # int() rounding of the byte counts can leave it one layer short
         layers += 1
     return layers
