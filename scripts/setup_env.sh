@@ -19,7 +19,8 @@ if [ "$(cat .tools/uv/.pin 2>/dev/null)" != "$UV_PIN" ] || [ ! -x "$UV" ]; then
   echo "[setup] installing $UV_PIN into .tools/uv"
   rm -rf .tools/uv
   "$(command -v python3.11 || command -v python3)" -m pip install --quiet --disable-pip-version-check \
-    --target .tools/uv "$UV_PIN"
+    --root-user-action=ignore --target .tools/uv "$UV_PIN" 2>&1 | grep -v "^WARNING: Location" || true
+  [ -x "$UV" ] || { echo "[setup] could not install $UV_PIN with pip" >&2; exit 1; }
   echo "$UV_PIN" > .tools/uv/.pin
 fi
 # uv never downloads a Python (the venvs use the interpreters named below) and does not read pip's
