@@ -4,6 +4,8 @@
 #   .venv-bridge  the Megatron-Bridge tests and our trainer / pack / export-hf / probe / eval tests on
 #                 megatron-core 0.19.2 + transformers 5 (BRIDGE_TESTS below)
 # NEMO_ANCHOR_SKIP_BRIDGE=1 skips the .venv-bridge run for quick local runs; CI (CI=true) always runs it.
+# The two runs go side by side (see docs/testing.md for what that saves); the .venv-bridge run's output
+# follows the .venv run's. Each run ends with its 15 slowest tests.
 # The exit status is non-zero when either run fails; the last line adds up both runs.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
@@ -14,26 +16,31 @@ BRIDGE_TESTS=(
   tests/test_probe.py tests/test_eval_run.py tests/test_context_parallel.py
 )
 LOGS="$(mktemp -d)"
-trap 'rm -rf "$LOGS"' EXIT
+bridge_pid=""
+# the .venv-bridge run has a session of its own: stopped with all its processes if this script stops first
+trap '[ -z "$bridge_pid" ] || kill -TERM -- "-$bridge_pid" 2>/dev/null; rm -rf "$LOGS"' EXIT
 
-run_pytest() {  # run_pytest NAME PYTHON ARGS...: the status of pytest, its output also in $LOGS/NAME.log
-  local name="$1" python="$2"
-  shift 2
-  set +e
-  "$python" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$LOGS/$name.log"
-  local status="${PIPESTATUS[0]}"
-  set -e
-  return "$status"
-}
-
+pytest_args=(-q -p no:cacheprovider --durations=15)
 status=0
-run_pytest venv python tests "$@" || status=1
 if [ "${NEMO_ANCHOR_SKIP_BRIDGE:-0}" = 1 ] && [ "${CI:-false}" != true ]; then
   echo "[test] NEMO_ANCHOR_SKIP_BRIDGE=1: .venv-bridge not run"
 else
   setup_bridge_env
-  run_pytest venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}" || status=1
+  setsid .venv-bridge/bin/python -m pytest "${pytest_args[@]}" "${BRIDGE_TESTS[@]}" > "$LOGS/venv-bridge.log" 2>&1 \
+    < /dev/null &
+  bridge_pid=$!
+  echo "[test] .venv-bridge: running beside the .venv run; its output follows that run's"
 fi
+set +e
+python -m pytest "${pytest_args[@]}" tests "$@" 2>&1 | tee "$LOGS/venv.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+if [ -n "$bridge_pid" ]; then
+  wait "$bridge_pid" || status=1
+  bridge_pid=""
+  echo "[test] .venv-bridge:"
+  cat "$LOGS/venv-bridge.log"
+fi
+set -e
 python - "$LOGS" <<'PY'
 import pathlib, re, sys
 
