@@ -39,6 +39,7 @@ else
   setup_bridge_env
   in_background venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}"
 fi
+echo "[test] environments ready after ${SECONDS}s"
 in_background venv-nemo-run python "$NEMO_RUN_TESTS" "$@"
 nemo_run_pid=$!
 set +e
@@ -57,7 +58,7 @@ for log in "$LOGS"/venv-*.log; do
   cat "$log"
 done
 set -e
-python - "$LOGS" <<'PY'
+python - "$LOGS" "$SECONDS" <<'PY'
 import pathlib, re, sys
 
 totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
@@ -67,6 +68,7 @@ for log in sorted(pathlib.Path(sys.argv[1]).glob("*.log")):
     print(f"[test] .{log.stem}: {summary}")
     for key in totals:
         totals[key] += sum(int(n) for n in re.findall(rf"(\d+) {key}", lines[-1])) if lines else 0
+print(f"[test] {sys.argv[2]}s in all, the environments included")
 print(f"total: {totals['passed']} passed, {totals['failed'] + totals['error']} failed, {totals['skipped']} skipped")
 PY
 exit "$status"
