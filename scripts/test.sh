@@ -4,7 +4,10 @@
 #   .venv-bridge  the Megatron-Bridge tests and our trainer / pack / export-hf / probe / eval tests on
 #                 megatron-core 0.19.2 + transformers 5 (BRIDGE_TESTS below)
 # NEMO_ANCHOR_SKIP_BRIDGE=1 skips the .venv-bridge run for quick local runs; CI (CI=true) always runs it.
-# The exit status is non-zero when either run fails; the last line adds up both runs.
+# Three pytest processes go side by side on the two cores (docs/testing.md says what that saves): the .venv
+# run less test_nemo_run.py, test_nemo_run.py, and the .venv-bridge run; the outputs of the last two follow
+# the first's. Each ends with its 15 slowest tests.
+# The exit status is non-zero when any run fails; the last line adds them up.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 
@@ -13,37 +16,59 @@ BRIDGE_TESTS=(
   tests/test_training.py tests/test_data_pack.py tests/test_data_tokenizer.py tests/test_export_hf.py
   tests/test_probe.py tests/test_eval_run.py tests/test_context_parallel.py
 )
+# NeMo's own CLI runs: about half the .venv run's CPU time (each test starts NeMo, 20 s of imports, in new
+# processes), in a pytest process of their own beside the rest
+NEMO_RUN_TESTS=tests/test_nemo_run.py
 LOGS="$(mktemp -d)"
-trap 'rm -rf "$LOGS"' EXIT
+background=()
+# the background runs have sessions of their own: stopped with all their processes if this script stops first
+trap 'for pid in "${background[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done; rm -rf "$LOGS"' EXIT
 
-run_pytest() {  # run_pytest NAME PYTHON ARGS...: the status of pytest, its output also in $LOGS/NAME.log
+pytest_args=(-q -p no:cacheprovider --durations=15)
+in_background() {  # in_background NAME PYTHON ARGS...: pytest in its own session, output in $LOGS/NAME.log
   local name="$1" python="$2"
   shift 2
-  set +e
-  "$python" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$LOGS/$name.log"
-  local status="${PIPESTATUS[0]}"
-  set -e
-  return "$status"
+  setsid "$python" -m pytest "${pytest_args[@]}" "$@" > "$LOGS/$name.log" 2>&1 < /dev/null &
+  background+=("$!")
+  echo "[test] $name: running in the background; its output follows"
 }
 
-status=0
-run_pytest venv python tests "$@" || status=1
 if [ "${NEMO_ANCHOR_SKIP_BRIDGE:-0}" = 1 ] && [ "${CI:-false}" != true ]; then
   echo "[test] NEMO_ANCHOR_SKIP_BRIDGE=1: .venv-bridge not run"
 else
   setup_bridge_env
-  run_pytest venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}" || status=1
+  in_background venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}"
 fi
-python - "$LOGS" <<'PY'
+echo "[test] environments ready after ${SECONDS}s"
+in_background venv-nemo-run python "$NEMO_RUN_TESTS" "$@"
+nemo_run_pid=$!
+set +e
+status=0
+python -m pytest "${pytest_args[@]}" tests --ignore="$NEMO_RUN_TESTS" "$@" 2>&1 | tee "$LOGS/venv.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+for pid in "${background[@]}"; do
+  wait "$pid"
+  code=$?
+  # 5: no test selected, where pytest args given to the .venv run (-k) leave none in test_nemo_run.py
+  [ "$code" = 0 ] || { [ "$code" = 5 ] && [ "$pid" = "$nemo_run_pid" ]; } || status=1
+done
+background=()
+for log in "$LOGS"/venv-*.log; do
+  echo "[test] $(basename "$log" .log):"
+  cat "$log"
+done
+set -e
+python - "$LOGS" "$SECONDS" <<'PY'
 import pathlib, re, sys
 
 totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
 for log in sorted(pathlib.Path(sys.argv[1]).glob("*.log")):
-    lines = [line for line in log.read_text().splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    lines = [line for line in log.read_text().splitlines() if re.search(r"\d+ (passed|failed|error|deselected)", line)]
     summary = lines[-1].strip("= ") if lines else "no pytest summary (the run did not finish)"
     print(f"[test] .{log.stem}: {summary}")
     for key in totals:
         totals[key] += sum(int(n) for n in re.findall(rf"(\d+) {key}", lines[-1])) if lines else 0
+print(f"[test] {sys.argv[2]}s in all, the environments included")
 print(f"total: {totals['passed']} passed, {totals['failed'] + totals['error']} failed, {totals['skipped']} skipped")
 PY
 exit "$status"

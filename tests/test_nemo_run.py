@@ -50,7 +50,9 @@ def _check(command: list[str]) -> None:
 
 def _run(args: list[str], processes: int = 1) -> None:
     """The ``nemo`` CLI, under torchrun when ``processes`` > 1."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}"] if processes > 1 else []
+    # --standalone: a free port, not torchrun's default 29500, which another run on the machine may hold
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={processes}"] if processes > 1 else []
     _check([*launcher, str(NEMO), *args])
 
 

@@ -311,6 +311,16 @@ def test_lease_not_renewed_within_its_timeout_is_taken_over_from_any_host(tmp_pa
     lease.release()
 
 
+def _eventually(condition, timeout_s: float = 120.0) -> bool:
+    """Whether ``condition()`` comes true within ``timeout_s`` (polled): a wait for an event, not a sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _lease_record(**fields):
     return {"host": socket.gethostname(), "started": "then", "renewed": time.time(), "timeout_s": 300.0,
             "token": "0123456789abcdef", **fields}
@@ -360,8 +370,7 @@ def test_renewal_stops_when_the_lease_was_taken_over(tmp_path):
     lease.acquire()
     lease.start_renewing()
     first = json.loads((tmp_path / LOCK_FILE).read_text())["renewed"]
-    time.sleep(0.5)
-    assert json.loads((tmp_path / LOCK_FILE).read_text())["renewed"] > first
+    assert _eventually(lambda: json.loads((tmp_path / LOCK_FILE).read_text())["renewed"] > first)
     (tmp_path / LOCK_FILE).write_text(json.dumps(_lease_record(pid=1, token="another run")))  # taken over
     assert lease.lost.wait(timeout=5)
     lease.release()  # not this one's any more: left alone
