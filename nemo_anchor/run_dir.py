@@ -392,12 +392,16 @@ class RunLease:
         finally:
             self.break_path.unlink(missing_ok=True)
 
-    def release(self) -> None:
-        """Stop renewing; remove the lease if it is still this one's."""
+    def stop_renewing(self) -> None:
+        """Stop the renewal thread; the lease stays until :meth:`release`."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join()
             self._renewer = None
+
+    def release(self) -> None:
+        """Stop renewing; remove the lease if it is still this one's."""
+        self.stop_renewing()
         if self.record is not None:
             with contextlib.suppress(OSError):
                 current, _ = self._parse(self.path.read_bytes())
@@ -583,6 +587,7 @@ class RunClaim:
         self.lease.start_renewing()
 
     def release(self, *, failed: bool) -> None:
+        self.lease.stop_renewing()  # no renewal into a folder being removed
         # a lease taken over by another run: the folder is that run's now
         if failed and self.fresh and not self.lease.lost.is_set() and not self.run.list_checkpoints():
             if not self.existed:
