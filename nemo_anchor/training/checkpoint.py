@@ -398,7 +398,7 @@ class CheckpointSaver:
                     latest.write_text(str(pending.step))
                 if verified:  # a stop evicts nothing: its save is pending, and the process exits next
                     removed += [_rename_away(path) for path in
-                                evict_old_checkpoints(self.run, self.keep_last, self.save_every, delete=False)]
+                                checkpoints_to_evict(self.run, self.keep_last, self.save_every)]
             _barrier()
             self._deletions.start(removed)
         pending.times.published = time.perf_counter() - pending.started
@@ -428,9 +428,9 @@ def _reduction_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def evict_old_checkpoints(run: RunDir, keep_last: int, save_every: int = 0, *, delete: bool = True) -> list[Path]:
-    """Remove all but the newest checkpoint and the newest ``keep_last`` scheduled ones (every
-    ``save_every`` steps; all of them when 0); returns the removed (``delete=False``: the ones to remove).
+def checkpoints_to_evict(run: RunDir, keep_last: int, save_every: int = 0) -> list[Path]:
+    """All but the newest checkpoint and the newest ``keep_last`` scheduled ones (every ``save_every`` steps; all
+    of them when 0).
 
     An off-schedule checkpoint (a signal's, the last step's) is kept only while it is the newest: it
     exists to resume from, and must never push out a scheduled checkpoint that checkpoint averaging
@@ -438,10 +438,7 @@ def evict_old_checkpoints(run: RunDir, keep_last: int, save_every: int = 0, *, d
     saved = run.list_checkpoints()
     scheduled = [path for path in saved if not save_every or checkpoint_step(path) % save_every == 0]
     kept = set(scheduled[-keep_last:] + saved[-1:])
-    removed = [path for path in saved if path not in kept]
-    for path in removed if delete else ():
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
+    return [path for path in saved if path not in kept]
 
 
 def _file_sizes(ckpt_dir: Path) -> dict[str, int]:
