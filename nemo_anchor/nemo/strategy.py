@@ -45,7 +45,8 @@ class AnchorMegatronStrategy(nl.MegatronStrategy):
         """NeMo's, with torch Adam's state created before a load builds what it loads into
         (NeMo calls this from ``megatron_strategy.py:1171``; :func:`optimizer_state.create_state_for_load`)."""
         if is_loading:
-            optimizer_state.create_state_for_load(self._megatron_optimizers())
+            for optimizer in self._megatron_optimizers():
+                optimizer_state.create_state_for_load(optimizer)
         return super().optimizer_sharded_state_dict(is_loading=is_loading, **kwargs)
 
     def load_optimizer_state_dict(self, *args, **kwargs) -> None:
@@ -55,10 +56,11 @@ class AnchorMegatronStrategy(nl.MegatronStrategy):
         with torch.no_grad():
             super().load_optimizer_state_dict(*args, **kwargs)
         if optimizer_state.torch_adam():
-            optimizer_state.give_each_parameter_its_adam_step(self._megatron_optimizers(), self.trainer.global_step)
+            for optimizer in self._megatron_optimizers():
+                optimizer_state.give_each_parameter_its_adam_step(optimizer, self.trainer.global_step)
 
     def _megatron_optimizers(self) -> list:
-        """The Megatron-Core optimizers behind this strategy's NeMo optimizers."""
+        """The Megatron-Core optimizers (each may be a chain) behind this strategy's NeMo optimizers."""
         optimizers = self.lightning_module.optimizers(use_pl_optimizer=False)
         return [getattr(optimizer, "mcore_optimizer", optimizer)
                 for optimizer in (optimizers if isinstance(optimizers, list) else [optimizers])]
