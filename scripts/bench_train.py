@@ -393,8 +393,8 @@ def print_row(row: dict, rows: list[dict]) -> None:
                  and r["requested_backend"] == "auto"), None)
     ratio = f"{row['tokens_per_s'] / full['tokens_per_s']:.2f}" if full else "-"
     print(f"{row['length']:>7} {row['attention_type']:>16} {row['backend']:>12} {row['anchor_path']:>7} "
-          f"{row['layers']:>6} {row['recompute']:>6} {len(row['documents']) - 1:>5} {row['step_s']:>8.3f} "
-          f"{row['tokens_per_s']:>9.0f} {ratio:>7} {row['tflops']:>8.4g} {row['mfu']:>6.1%} {row['hfu']:>6.1%} "
+          f"{row['layers']:>6} {row['recompute']:>6} {len(row['documents']) - 1:>5} {row['step_s']:>8.4g} "
+          f"{row['tokens_per_s']:>9.5g} {ratio:>7} {row['tflops']:>8.4g} {row['mfu']:>6.1%} {row['hfu']:>6.1%} "
           f"{row['peak_gib']:>9.3g}", flush=True)
     if row.get("profile"):
         print(row["profile"], flush=True)

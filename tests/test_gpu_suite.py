@@ -216,6 +216,7 @@ def _outside_the_standard_library(names: set[str]) -> set[str]:
     return {n for n in names if n.split(".")[0] not in sys.stdlib_module_names | ours and not n.startswith("_")}
 
 
+@pytest.mark.timeout(2400)  # about 15 worker processes that each import Megatron: minutes on a loaded 2-core CPU
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke of a machine without CUDA")
 def test_cpu_smoke_runs_every_part_and_imports_only_what_the_gpu_machine_has(tmp_path):
     """Every part of the suite runs end to end at toy sizes, the previous tree's workers import it, the targets
@@ -232,7 +233,7 @@ def test_cpu_smoke_runs_every_part_and_imports_only_what_the_gpu_machine_has(tmp
            "PYTHONPATH": str(hook), "NEMO_ANCHOR_IMPORT_LOG": str(log),
            "NEMO_ANCHOR_IMPORT_ROOTS": os.pathsep.join(str(p) for p in (REPO / "nemo_anchor", SCRIPTS, previous))}
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_suite.sh"), "--cpu-smoke", str(out)], capture_output=True,
-                          text=True, env=env, timeout=1800)
+                          text=True, env=env, timeout=2300)
     results = json.loads((out / "gpu_suite.json").read_text())
     assert done.returncode == 0, (done.stdout[-3000:], _script("gpu_suite").failure_lines(results))
     assert all(results["suite"][part]["exit"] == 0 for part in _script("gpu_suite").PARTS)
