@@ -52,12 +52,6 @@ def environment() -> dict:
             "varlen_attn": f"varlen_attn{inspect.signature(kernel)}" if kernel else reason, **installed}
 
 
-def kernel_family(backend: str) -> str:
-    """The kernel family of an attention backend, for comparing attention types like for like: each backend wraps
-    one library's kernels, so its name is its family (until ``nemo_anchor.attention.functional`` says it)."""
-    return backend
-
-
 def cuda_unavailable_reason() -> str | None:
     """None when a CUDA device can run kernels, else why not (one line)."""
     if not torch.cuda.is_available():

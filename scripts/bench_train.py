@@ -262,8 +262,8 @@ def runs_of(length: int, kinds: list[str], anchor_paths: list[str]) -> tuple[lis
 
 def same_family_runs(rows: list[dict], length: int) -> list[Run]:
     """Where ``auto`` put a type on another kernel family than the anchor at ``length``: that type on the anchor's
-    backend (``nemo_anchor.gpu_check.kernel_family``)."""
-    from nemo_anchor.gpu_check import kernel_family
+    backend (``nemo_anchor.attention.functional.kernel_family``)."""
+    from nemo_anchor.attention.functional import kernel_family
 
     done = {r["attention_type"]: r["backend"] for r in rows if r["status"] == "ok" and r["length"] == length
             and r["requested_backend"] == "auto" and r["anchor_path"] == "merge"}

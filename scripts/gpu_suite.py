@@ -27,6 +27,7 @@ from pathlib import Path
 
 from nemo_anchor import gpu_check as check
 from nemo_anchor.atomic import atomic_file
+from nemo_anchor.attention.functional import kernel_family
 
 # part: the section of its gpu_check.json, or None for a bench_train / preflight part (OUTPUT_DIR/<part>.json)
 PARTS = {"preflight": None, "smollm2": None, "previous": None, "llama8b_32k": None, "llama8b_64k": None,
@@ -141,7 +142,7 @@ def _model_row(results: dict, part: str, length: int, kind: str, family: str | N
     """The finished run of ``kind`` at (``part``, ``length``): on that kernel family if given, else ``auto``'s choice."""
     for r in results.get(part, []):
         if (r["status"] == "ok" and r["attention_type"] == kind and r["length"] == length and r["anchor_path"] == path
-                and (check.kernel_family(r["backend"]) == family if family else r["requested_backend"] == "auto")):
+                and (kernel_family(r["backend"]) == family if family else r["requested_backend"] == "auto")):
             return r
     return None
 
@@ -160,10 +161,10 @@ def _pairs(results: dict, shape: tuple[str, int], other: str) -> list[tuple[str,
     anchor = _model_row(results, part, length, "anchor")
     if anchor is None:
         return [("same kernel family", None, None, _why_missing(results, part, length, "anchor"))]
-    same = _model_row(results, part, length, other, family=check.kernel_family(anchor["backend"]))
+    same = _model_row(results, part, length, other, family=kernel_family(anchor["backend"]))
     best = _model_row(results, part, length, other)
     out = [(f"both on {anchor['backend']}", anchor, same, _why_missing(results, part, length, other))]
-    if best is not None and check.kernel_family(best["backend"]) != check.kernel_family(anchor["backend"]):
+    if best is not None and kernel_family(best["backend"]) != kernel_family(anchor["backend"]):
         out.append((f"each on its best: {anchor['backend']} / {best['backend']}", anchor, best, ""))
     return out
 
