@@ -15,6 +15,8 @@ BRIDGE_TESTS=(
   tests/bridge
   tests/test_training.py tests/test_data_pack.py tests/test_data_tokenizer.py tests/test_export_hf.py
   tests/test_probe.py tests/test_eval_run.py tests/test_context_parallel.py
+  tests/test_rope_params.py tests/test_backend_signatures.py tests/test_attention_backend_log.py
+  tests/test_anchor_key_triton.py  # Triton's interpreter: triton is in .venv-bridge only
 )
 # NeMo's own CLI runs: about half the .venv run's CPU time (each test starts NeMo, 20 s of imports, in new
 # processes), in a pytest process of their own beside the rest
