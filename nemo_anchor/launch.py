@@ -10,7 +10,7 @@ the training process fills it here from the devices it sees:
   ``NEMO_ANCHOR_ALLOW_CPU=1``. Where nothing expects CUDA, no device means the CPU;
 - Megatron's fusions (:data:`FUSIONS`) and CPU initialisation (:data:`DECIDED_AT_LAUNCH`, :func:`model_settings`):
   the fusions of Megatron-LM's Llama recipes on with CUDA and Transformer Engine (RoPE's only where
-  :func:`~nemo_anchor.model.rope.rope_fusion_allowed`, weight-gradient accumulation only with apex's
+  :func:`rope_fusion_allowed`, weight-gradient accumulation only with apex's
   extension), off elsewhere;
 - gradient reduction overlapped with the backward and the distributed optimizer's parameter
   all-gather with the next forward, and asynchronous checkpoint saves: with CUDA;
@@ -29,7 +29,6 @@ import os
 import torch
 
 from nemo_anchor import gpu
-from nemo_anchor.model.rope import rope_fusion_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +43,22 @@ FUSIONS = ("bias_activation_fusion", "cross_entropy_loss_fusion", "persist_layer
            "gradient_accumulation_fusion")
 # what every front door's recipes leave unset and the training process decides (model_settings)
 DECIDED_AT_LAUNCH = (*FUSIONS, "use_cpu_initialization")
+
+
+def uses_yarn(config) -> bool:
+    """Whether a model config (ours, Megatron's, NeMo's or Bridge's) describes YaRN RoPE."""
+    return (getattr(config, "position_embedding_type", None) == "yarn" or getattr(config, "rope_scaling", None) == "yarn"
+            or getattr(config, "yarn_rotary_scaling_factor", 1.0) != 1.0)
+
+
+def rope_fusion_allowed(config) -> bool:
+    """Whether Transformer Engine's fused RoPE computes what the model asks for.
+
+    TE's kernel rotates in fp32 and rounds once; ``rope_in_fp32`` keeps Megatron's unfused fp32
+    rotation (the option the paper measures stays exact), and YaRN keeps it too: Megatron's fused
+    THD path drops YaRN's attention scaling (``mscale``).
+    """
+    return not getattr(config, "rope_in_fp32", False) and not uses_yarn(config)
 
 
 class CudaExpected(ValueError):

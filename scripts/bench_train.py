@@ -201,9 +201,9 @@ def gpu_bytes_of(text: str) -> int:
 
 def te_fusions() -> bool:
     """Whether the engine runs Megatron's fused cross entropy and bias-SwiGLU (the planner's ``fusions``)."""
-    from nemo_anchor import gpu
+    from nemo_anchor import launch
 
-    on = gpu.fusions(rope_allowed=False)
+    on = launch.model_settings(rope_allowed=False)
     return on["cross_entropy_loss_fusion"] and on["bias_activation_fusion"]
 
 

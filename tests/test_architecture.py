@@ -15,12 +15,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nemo_anchor"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 # Top-level modules (nemo_anchor/atomic.py ...) are named by their file; subpackages by their folder.
 LAYERS = (
-    ("atomic", "cache", "checksums", "command", "compat", "cpu_bf16", "gpu", "hf_dir", "run_dir"),  # shared utilities
+    # shared utilities; launch: what the training process's devices decide
+    ("atomic", "cache", "checksums", "command", "compat", "cpu_bf16", "gpu", "hf_dir", "launch", "run_dir"),
     ("attention", "data"),  # the functional attention API; files -> packed windows (no Megatron)
     ("parallel",),  # process groups, context parallelism, Megatron-Core's CPU shims
     ("model",),  # AnchorCoreAttention, layer specs, the GPT builder
     ("convert",),  # one model's weights and config across formats (HF, Megatron, NeMo 2, ours)
-    ("training", "launch"),  # launch: what the training process's devices decide; Megatron-Core's engine, the forward step, checkpoints, planner, metrics; our trainer
+    ("training",),  # Megatron-Core's engine, the forward step, checkpoints, planner, metrics; our trainer
     ("export",),  # export-hf / import-hf, inference loading
     ("evaluation",),
     ("analysis",),  # the probe (uses evaluation's loaders)

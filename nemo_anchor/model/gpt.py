@@ -16,7 +16,6 @@ from megatron.core.utils import get_attr_wrapped_model
 from nemo_anchor import launch
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.packed_seq import make_packed_seq_params
-from nemo_anchor.model.rope import rope_fusion_allowed
 from nemo_anchor.model.spec import get_block_spec, get_layer_spec
 from nemo_anchor.model.vocab import PaddedVocabGPTModel, padded_vocab_size
 
@@ -79,7 +78,7 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False) -> AnchorTransfo
         params_dtype=torch.float32,  # built in fp32; bf16 runs wrap the model in Megatron's Float16Module
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         perform_initialization=True,
-        **launch.model_settings(rope_allowed=rope_fusion_allowed(cfg)),
+        **launch.model_settings(rope_allowed=launch.rope_fusion_allowed(cfg)),
         masked_softmax_fusion=False,  # the core attention computes its own softmax
         bias_dropout_fusion=False,
         tensor_model_parallel_size=tp,

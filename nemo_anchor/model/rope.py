@@ -1,7 +1,6 @@
-"""Megatron's RoPE as our models apply it: one rule for the fused kernel, fp32 rotation, no host sync.
+"""Megatron's RoPE as our models apply it: fp32 rotation, no host sync (whether TE's fused RoPE may
+run instead is :func:`nemo_anchor.launch.rope_fusion_allowed`).
 
-- :func:`rope_fusion_allowed`: the one rule for Transformer Engine's fused RoPE, serving our trainer,
-  NeMo and Bridge (``nemo_anchor.launch`` applies it when a run starts).
 - ``rope_in_fp32``: Megatron computes cos/sin in fp32 but rotates q/k in their own dtype, so in bf16
   runs the rotation itself is rounded: the precision loss the paper measures. With the flag, q/k
   rotate in fp32 and are cast back, so the rounding happens once, after RoPE.
@@ -24,22 +23,6 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config as yarn_attention_scale,  # what Attention.forward passes as mscale
 )
 from megatron.core.transformer.attention import SelfAttention
-
-
-def uses_yarn(config) -> bool:
-    """Whether a model config (ours, Megatron's, NeMo's or Bridge's) describes YaRN RoPE."""
-    return (getattr(config, "position_embedding_type", None) == "yarn" or getattr(config, "rope_scaling", None) == "yarn"
-            or getattr(config, "yarn_rotary_scaling_factor", 1.0) != 1.0)
-
-
-def rope_fusion_allowed(config) -> bool:
-    """Whether Transformer Engine's fused RoPE computes what the model asks for.
-
-    TE's kernel rotates in fp32 and rounds once; ``rope_in_fp32`` keeps Megatron's unfused fp32
-    rotation (the option the paper measures stays exact), and YaRN keeps it too: Megatron's fused
-    THD path drops YaRN's attention scaling (``mscale``).
-    """
-    return not getattr(config, "rope_in_fp32", False) and not uses_yarn(config)
 
 
 def rope_positions(bounds: tuple[int, ...], cp_size: int = 1, cp_rank: int = 0) -> np.ndarray:

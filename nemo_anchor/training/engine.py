@@ -60,7 +60,7 @@ def megatron_configs(config: RunConfig, device: torch.device
     parameter all-gather overlaps the next forward (:func:`parameters_gathered` around what reads
     the parameters outside a step); with Transformer Engine, weight-gradient accumulation is fused
     into the GEMMs, and Megatron's fused cross-entropy, bias-SwiGLU, persistent layer norm and RoPE
-    (where :func:`nemo_anchor.model.rope.rope_fusion_allowed`) are on (``nemo_anchor.launch.model_settings``).
+    (where :func:`nemo_anchor.launch.rope_fusion_allowed`) are on (``nemo_anchor.launch.model_settings``).
     The CPU (gloo) runs every collective synchronously and unfused.
     """
     overlap = device.type == "cuda"
