@@ -29,10 +29,9 @@ Our names for NeMo's settings (what the comparison and the messages use)::
 
 import contextlib
 import os
-import signal
 import threading
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -44,7 +43,7 @@ from nemo_anchor.data.tokenizer import check_same_tokenizer, load_tokenizer
 from nemo_anchor.convert.sources import check_nemo2_weights, nemo2_tokenizer_dir
 from nemo_anchor.run_dir import LOCK_FILE, RunClaim, RunDir, RunDirInUse, lease_lost_message, lease_lost_on_any_rank
 from nemo_anchor.training import resume
-from nemo_anchor.training.preemption import EXIT_INTERRUPTED, STOP_SIGNALS
+from nemo_anchor.training.preemption import EXIT_INTERRUPTED, STOP_SIGNALS, StopRequest, signals_deferred
 
 
 
@@ -229,55 +228,42 @@ class AnchorPreemption(PreemptionCallback):
     the module runs on, so any rank's signal stops all of them at the same step.
     """
 
-    def __init__(self, signals: Sequence[int] = STOP_SIGNALS, exit_code: int = EXIT_INTERRUPTED):
-        super().__init__(sig=signals[0])
-        self.signals, self.exit_code = tuple(signals), exit_code
+    def __init__(self, exit_code: int = EXIT_INTERRUPTED):
+        super().__init__(sig=STOP_SIGNALS[0])
+        self.exit_code = exit_code
         self._device = torch.device("cpu")
-        self._mask = None  # the signal mask before setup blocked the signals
+        self._stop = StopRequest()
+        self._deferred = contextlib.ExitStack()  # the signals held back from setup to on_train_start
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Block the signals until :meth:`on_train_start`: the data loader's workers, started in between, inherit the
-        block and never see them (torch's workers die of SIGTERM, torch/utils/data/_utils/worker.py:269, and the
+        """Hold the signals back until :meth:`on_train_start`: the data loader's workers, started in between, inherit
+        the block and never see them (torch's workers die of SIGTERM, torch/utils/data/_utils/worker.py:269, and the
         main process, still saving, then fails on the dead worker; NeMo rebuilds the loader without a
         ``worker_init_fn``, nemo/lightning/data.py:224). Slurm, Kubernetes and torchrun signal the whole group."""
-        if stage == "fit" and self._mask is None and threading.current_thread() is threading.main_thread():
-            from multiprocessing import resource_tracker
-
-            resource_tracker.ensure_running()  # it unblocks SIGINT/SIGTERM in its caller when started later
-            self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+        if stage == "fit" and threading.current_thread() is threading.main_thread():
+            self._deferred.close()
+            self._deferred.enter_context(signals_deferred())
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """As NeMo's, the handlers go in here, after Lightning's (which would end the run with SIGTERMException
         without a save, lightning/pytorch/loops/training_epoch_loop.py:310); then a signal held meanwhile arrives."""
         self._device = pl_module.device
         super().on_train_start(trainer, pl_module)
-        self._unblock()
+        self._deferred.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._unblock()
-
-    def _unblock(self) -> None:
-        if self._mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
-            self._mask = None
+        self._deferred.close()
 
     @contextlib.contextmanager
     def _preemption_handler(self):  # overrides nemo/lightning/pytorch/callbacks/preemption.py:78 (one signal)
-        def record(signum, frame):
-            self._interrupted = True
-
-        previous = {sig: signal.signal(sig, record) for sig in self.signals}
-        try:
+        with self._stop:
             yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     @property
     def interrupted(self) -> bool:
         if not self.preemption_supported:
-            return self._interrupted
-        flag = torch.tensor([int(self._interrupted)], device=self._device, dtype=torch.int32)
+            return self._stop.requested
+        flag = torch.tensor([int(self._stop.requested)], device=self._device, dtype=torch.int32)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
