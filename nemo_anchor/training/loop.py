@@ -76,7 +76,7 @@ class Trainer:
                 f"trainer.global_batch_size={t.global_batch_size} must be a multiple of trainer.micro_batch_size x "
                 f"data-parallel size = {t.micro_batch_size} x {self.ctx.data_parallel_size}")
         self.config.model.vocab_size = vocab_size
-        self.data_fingerprint = resume.data_record(config.data.path)
+        self.data_record = resume.data_record(config.data.path)
         # the stop flag is agreed between micro-batches on the CPU, so that asking never waits for the device
         self._stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         self._claim = self._claim_output_dir()
@@ -172,8 +172,8 @@ class Trainer:
         allow = list(self.config.checkpoint.allow_change)
         saved = OmegaConf.to_container(read_run_config(checkpoint))
         new = OmegaConf.to_container(OmegaConf.structured(self.config))
-        changed = resume.compare(checkpoint, saved, new, allow, _saved_data_fingerprint(checkpoint),
-                                 self.data_fingerprint)
+        changed = resume.compare(checkpoint, saved, new, allow, _saved_data_record(checkpoint),
+                                 self.data_record)
         changed.pop("output_dir", None)
         if changed:
             self._say(f"resuming {checkpoint.name} with " + ", ".join(f"{key}: {before!r} -> {after!r}"
@@ -336,7 +336,7 @@ class Trainer:
         """Start saving this step's checkpoint (:class:`~nemo_anchor.training.checkpoint.CheckpointSaver`); returns
         the directory it is published as, which ``self.saver.finish()`` waits for. ``read_back=False`` (a stop):
         written and published before it returns, nothing read back (its checksums are recorded by the next start)."""
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_fingerprint}
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_record}
         # signals deferred: the writer processes Megatron starts and keeps must survive a group SIGTERM
         with parameters_gathered(self.engine), preemption.signals_deferred():
             return self.saver.save(self.step, self.engine, state, self.config_yaml, read_back=read_back)
@@ -463,8 +463,9 @@ class Trainer:
         return self._claim is not None and not self._claim.lease.held()
 
 
-def _saved_data_fingerprint(checkpoint: Path) -> str | None:
-    """The dataset fingerprint a checkpoint's training state records (None: saved before they were)."""
+def _saved_data_record(checkpoint: Path) -> dict | str | None:
+    """What a checkpoint's training state records of its data: :func:`~nemo_anchor.training.resume.data_record`
+    (a fingerprint string in checkpoints saved before it; None before either)."""
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(str(checkpoint)) or {}
