@@ -14,9 +14,9 @@
   ``scheduler.override_opt_param_scheduler`` (Megatron-LM's ``--override-opt-param-scheduler``).
   ``optim.lr``, ``optim.min_lr`` and ``optim.weight_decay`` stay refused even when allowed:
   Megatron-Core cannot load the optimizer state under new ones (the refusal says so).
-- Preemption: Bridge's own ``train.exit_signal_handler`` (on, for ``train.exit_signal``, SIGTERM by
-  default; Slurm's ``--signal=USR1@120`` wants ``train.exit_signal=10``) saves and ends the run;
-  :func:`checked` turns that end into ``nemo-anchor train``'s status 75, so the same command resumes.
+- Preemption: Bridge's own exit-signal save, on SIGTERM, SIGINT and SIGUSR1 as in every door
+  (:mod:`nemo_anchor.bridge.preemption`), ends the run; :func:`checked` turns that end into
+  ``nemo-anchor train``'s status 75, so the same command resumes.
 """
 from __future__ import annotations
 
@@ -169,7 +169,6 @@ def checked(config, allow_change: list[str], claim: RunClaim | None = None) -> I
     callbacks=[..., *callbacks])``: the checks, the lease held before every save, the record for the next resume
     written with each checkpoint, Bridge's exit-signal save, and exit status 75 after it."""
     record = check(config, allow_change)
-    config.train.exit_signal_handler = True
     seen = _SignalSeen()
     try:
         yield [seen, _LeaseHeld(claim, config.checkpoint.save), _RecordWithCheckpoint(record, config.checkpoint.save)]
