@@ -152,8 +152,8 @@ def test_rerun_skips_finished_variants_and_resumes_the_interrupted_one(tmp_path,
     original_step, original_init = loop.Trainer.train_step, loop.Trainer.__init__
     original_measure = measure_module.measure_variant
 
-    def interrupting_step(self):
-        record = original_step(self)
+    def interrupting_step(self, stop=None):
+        record = original_step(self, stop)
         if self.config.model.attention_type == "anchor" and self.step == 1 and not self.resumed_from:
             os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: finish the step, save, stop
         return record
@@ -247,8 +247,8 @@ def test_an_interruption_after_a_scheduled_checkpoint_keeps_what_averaging_needs
     extra = ["eval.tasks=[]", "eval.probe_sequences=0"]
     original_step = loop.Trainer.train_step
 
-    def interrupting_step(self):
-        record = original_step(self)
+    def interrupting_step(self, stop=None):
+        record = original_step(self, stop)
         if self.step == 3 and not self.resumed_from:
             os.kill(os.getpid(), signal.SIGINT)
         return record
