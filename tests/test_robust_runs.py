@@ -408,8 +408,8 @@ def test_run_whose_lease_was_taken_over_stops_without_writing(trained, tmp_path,
     intruder = json.dumps(_lease_record(pid=1, token="another run"))
     train_step = Trainer.train_step
 
-    def step_then_taken_over(self):  # another run takes the lease over while step 1 runs (its lease looked expired)
-        result = train_step(self)
+    def step_then_taken_over(self, stop=None):  # another run takes the lease over while step 1 runs (its lease looked expired)
+        result = train_step(self, stop)
         if self.step == 1:
             (run / LOCK_FILE).write_text(intruder)
         return result
