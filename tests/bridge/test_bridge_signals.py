@@ -24,7 +24,7 @@ if importlib.util.find_spec("megatron.bridge") is None:  # checked before nemo_a
     pytest.skip("Megatron-Bridge is not installed (scripts/setup_env.sh's .venv-bridge has it)", allow_module_level=True)
 
 from nemo_anchor import launch  # noqa: E402
-from nemo_anchor.cli import main as cli  # noqa: E402
+from tiny_runs import pack_texts  # noqa: E402  tests/tiny_runs.py
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
@@ -37,15 +37,13 @@ DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", launch.ALLOW_CPU, "SLURM_GPUS", "SLU
 def run_config(tmp_path_factory):
     """A `nemo-anchor train` YAML of a tiny model over packed byte windows of 64 tokens."""
     root = tmp_path_factory.mktemp("bridge-signals")
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    assert cli(["pack", "--input", str(root / "corpus.jsonl"), "--tokenizer", "byte", "--seq-length", "64",
-                "--output", str(root / "packed")]) == 0
+    packed = pack_texts(root, TEXTS, name="packed")
     config = root / "run.yaml"
     config.write_text(json.dumps({
         "output_dir": str(root / "unused"),
         "model": {"num_layers": 1, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
                   "num_query_groups": 2, "seq_length": 64, "attention_type": "anchor", "rotary_base": "10000"},
-        "data": {"path": str(root / "packed")},
+        "data": {"path": str(packed)},
         "trainer": {"max_steps": 400, "global_batch_size": 1, "micro_batch_size": 1, "precision": "fp32",
                     "progress_bar": False, "eval_batches": 0},
         "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
