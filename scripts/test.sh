@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Run the test suite on the CPU in both environments: bash scripts/test.sh [pytest args for the .venv run]
+# Run the test suite on the CPU in both environments: bash scripts/test.sh [pytest args for the .venv lanes]
 #   .venv         the whole suite (NeMo 2.7.3, megatron-core 0.16.1, transformers 4.57)
 #   .venv-bridge  the Megatron-Bridge tests and our trainer / pack / export-hf / probe / eval tests on
 #                 megatron-core 0.19.2 + transformers 5 (BRIDGE_TESTS below)
-# NEMO_ANCHOR_SKIP_BRIDGE=1 skips the .venv-bridge run for quick local runs; CI (CI=true) always runs it.
-# Three pytest processes go side by side on the two cores (docs/testing.md says what that saves): the .venv
-# run less test_nemo_run.py, test_nemo_run.py, and the .venv-bridge run; the outputs of the last two follow
-# the first's. Each ends with its 15 slowest tests.
-# The exit status is non-zero when any run fails; the last line adds them up.
+# NEMO_ANCHOR_SKIP_BRIDGE=1 skips the .venv-bridge lane for quick local runs; CI (CI=true) always runs it.
+# Four pytest lanes go side by side on the two cores (docs/testing.md says why and what each costs); the first
+# prints live, the others' outputs follow it. Each ends with its 15 slowest tests.
+# The exit status is non-zero when any lane fails; the last line adds them up.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 
@@ -18,12 +17,16 @@ BRIDGE_TESTS=(
   tests/test_rope_params.py tests/test_backend_signatures.py tests/test_attention_backend_log.py
   tests/test_anchor_key_triton.py  # Triton's interpreter: triton is in .venv-bridge only
 )
-# NeMo's own CLI runs: about half the .venv run's CPU time (each test starts NeMo, 20 s of imports, in new
-# processes), in a pytest process of their own beside the rest
-NEMO_RUN_TESTS=tests/test_nemo_run.py
+# NeMo's own CLI in new processes (each starts NeMo: 20 s of imports)
+NEMO_RUN_TESTS=(tests/test_nemo_run.py)
+# torchrun launches of several processes, signals and the GPU suite's CPU smoke: the other heavy half of .venv
+LAUNCH_TESTS=(
+  tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
+  tests/test_gpu_suite.py
+)
 LOGS="$(mktemp -d)"
 background=()
-# the background runs have sessions of their own: stopped with all their processes if this script stops first
+# the background lanes have sessions of their own: stopped with all their processes if this script stops first
 trap 'for pid in "${background[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done; rm -rf "$LOGS"' EXIT
 
 pytest_args=(-q -p no:cacheprovider --durations=15)
@@ -42,17 +45,19 @@ else
   in_background venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}"
 fi
 echo "[test] environments ready after ${SECONDS}s"
-in_background venv-nemo-run python "$NEMO_RUN_TESTS" "$@"
-nemo_run_pid=$!
+in_background venv-nemo-run python "${NEMO_RUN_TESTS[@]}" "$@"
+in_background venv-launch python "${LAUNCH_TESTS[@]}" "$@"
+venv_lanes=("${background[@]: -2}")  # pytest args (-k) may leave one of these with no test: exit 5 there is fine
 set +e
 status=0
-python -m pytest "${pytest_args[@]}" tests --ignore="$NEMO_RUN_TESTS" "$@" 2>&1 | tee "$LOGS/venv.log"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+python -m pytest "${pytest_args[@]}" tests "${NEMO_RUN_TESTS[@]/#/--ignore=}" "${LAUNCH_TESTS[@]/#/--ignore=}" "$@" \
+  2>&1 | tee "$LOGS/venv.log"
+code="${PIPESTATUS[0]}"
+[ "$code" = 0 ] || { [ "$code" = 5 ] && [ $# -gt 0 ]; } || status=1
 for pid in "${background[@]}"; do
   wait "$pid"
   code=$?
-  # 5: no test selected, where pytest args given to the .venv run (-k) leave none in test_nemo_run.py
-  [ "$code" = 0 ] || { [ "$code" = 5 ] && [ "$pid" = "$nemo_run_pid" ]; } || status=1
+  [ "$code" = 0 ] || { [ "$code" = 5 ] && [[ " ${venv_lanes[*]} " == *" $pid "* ]]; } || status=1
 done
 background=()
 for log in "$LOGS"/venv-*.log; do
