@@ -3,10 +3,11 @@
 Every layout starts from the same weights, a random Llama imported through AutoBridge and given as
 ``checkpoint.pretrained_checkpoint``, and runs 3 fp32 steps on the same windows: pipeline 2 and
 tensor 2 x context 2 (context parallel's all-gather; tests/bridge/test_bridge.py runs its a2a) each
-equal one process within 1e-5. Batches reach every rank in Megatron-LM's fixed packed shapes.
-Bridge's distributed optimizer (data parallel 2) equals one process and resumes bit for bit, on two
-nodes (two torchrun launchers under their own hostnames sharing this filesystem) where ``unshare -u``
-is permitted, on one node otherwise. Skipped where Megatron-Bridge is not installed.
+equal one process of `nemo-anchor train` from those weights within 1e-5. Batches reach every rank in
+Megatron-LM's fixed packed shapes. Bridge's distributed optimizer (data parallel 2) equals that one
+process and resumes bit for bit, on two nodes (two torchrun launchers under their own hostnames
+sharing this filesystem) where ``unshare -u`` is permitted, on one node otherwise. Skipped where
+Megatron-Bridge is not installed.
 """
 import importlib.util
 import json
@@ -94,8 +95,13 @@ def first_step(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(run_config, first_step, tmp_path_factory):
-    save = tmp_path_factory.mktemp("one-process")
-    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={first_step}")
+    """The 3 steps in one process of `nemo-anchor train`, in this process, from the same HF weights
+    (tests/bridge/test_bridge.py: Bridge's pretrain() in one process equals it within 1e-5)."""
+    output = tmp_path_factory.mktemp("one-process") / "run"
+    assert cli(["train", "--config", str(run_config[0]), f"output_dir={output}",
+                f"model.init_from_hf={first_step.parent / 'hf'}"]) == 0
+    return {r["step"]: r["loss"] for r in map(json.loads, (output / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
 
 
 def test_fixed_shape_batches_carry_documents_and_windows(run_config):
