@@ -78,10 +78,10 @@ def bridge_pretrain(config, save, *overrides, nproc=1, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def first_step(tmp_path_factory):
+def start_checkpoint(tmp_path_factory):
     """A random Llama of SHAPE with the byte tokenizer, imported through AutoBridge in this process (no pretrain
     process to start): every layout below starts from its weights."""
-    root = tmp_path_factory.mktemp("first-step")
+    root = tmp_path_factory.mktemp("start")
     config = transformers.LlamaConfig(
         vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"], intermediate_size=SHAPE["ffn_hidden_size"],
         num_hidden_layers=SHAPE["num_layers"], num_attention_heads=SHAPE["num_attention_heads"],
@@ -94,12 +94,12 @@ def first_step(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process(run_config, first_step, tmp_path_factory):
+def one_process(run_config, start_checkpoint, tmp_path_factory):
     """The 3 steps in one process of `nemo-anchor train`, in this process, from the same HF weights
     (tests/bridge/test_bridge.py: Bridge's pretrain() in one process equals it within 1e-5)."""
     output = tmp_path_factory.mktemp("one-process") / "run"
     assert cli(["train", "--config", str(run_config[0]), f"output_dir={output}",
-                f"model.init_from_hf={first_step.parent / 'hf'}"]) == 0
+                f"model.init_from_hf={start_checkpoint.parent / 'hf'}"]) == 0
     return {r["step"]: r["loss"] for r in map(json.loads, (output / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}
 
@@ -130,9 +130,9 @@ def test_fixed_shape_batches_carry_documents_and_windows(run_config):
     pytest.param(("model.tensor_model_parallel_size=2", "model.context_parallel_size=2",
                   "model.cp_comm_type=all_gather"), id="tensor2xcontext2"),
 ])
-def test_model_parallel_layout_equals_one_process(run_config, first_step, one_process, layout, tmp_path):
+def test_model_parallel_layout_equals_one_process(run_config, start_checkpoint, one_process, layout, tmp_path):
     nproc = 4 if len(layout) > 1 else 2
-    losses = bridge_pretrain(run_config[0], tmp_path / "run", f"checkpoint.pretrained_checkpoint={first_step}",
+    losses = bridge_pretrain(run_config[0], tmp_path / "run", f"checkpoint.pretrained_checkpoint={start_checkpoint}",
                              *layout, nproc=nproc)
     assert sorted(losses) == [1, 2, 3] == sorted(one_process)
     for step in losses:
@@ -143,10 +143,10 @@ DISTRIBUTED_OPTIMIZER = ("optimizer.use_distributed_optimizer=true", "ddp.use_di
 
 
 @pytest.fixture(scope="module")
-def data_parallel_2(run_config, first_step, tmp_path_factory):
+def data_parallel_2(run_config, start_checkpoint, tmp_path_factory):
     """3 steps on one node, two processes (data parallel 2) with Bridge's distributed optimizer."""
     save = tmp_path_factory.mktemp("data-parallel-2")
-    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={first_step}",
+    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={start_checkpoint}",
                            *DISTRIBUTED_OPTIMIZER, nproc=2)
 
 
@@ -184,7 +184,8 @@ def bridge_pretrain_on_two_nodes(config, save, *overrides, timeout=600):
             if "loss" in r}
 
 
-def test_distributed_optimizer_saves_sharded_and_resumes_exactly(run_config, first_step, data_parallel_2, tmp_path):
+def test_distributed_optimizer_saves_sharded_and_resumes_exactly(run_config, start_checkpoint, data_parallel_2,
+                                                                 tmp_path):
     """2 steps saved, then resumed to 3: on two nodes where `unshare -u` is permitted (one node otherwise)."""
     from megatron.core import dist_checkpointing
 
@@ -194,7 +195,7 @@ def test_distributed_optimizer_saves_sharded_and_resumes_exactly(run_config, fir
         return bridge_pretrain(run_config[0], split, *overrides, nproc=2)
 
     split = tmp_path / "split"
-    start = f"checkpoint.pretrained_checkpoint={first_step}"
+    start = f"checkpoint.pretrained_checkpoint={start_checkpoint}"
     data_parallel_run(start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2", "checkpoint.save_interval=2")
     saved = dist_checkpointing.load_content_metadata(str(split / "iter_0000002"))
     assert saved["distrib_optim_sharding_type"] == "dp_reshardable"  # the optimizer state is sharded over ranks
