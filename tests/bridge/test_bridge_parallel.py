@@ -1,11 +1,13 @@
 """Megatron-Bridge's pretrain() in model-parallel layouts on packed windows (.venv-bridge, torchrun on the CPU).
 
-Every layout starts from the same weights, a 1-step Bridge checkpoint given as
-``checkpoint.pretrained_checkpoint``, and runs 3 fp32 steps on the same windows: tensor 2,
-pipeline 2 and tensor 2 x context 2 each equal one process within 1e-5. Batches reach every rank
-in Megatron-LM's fixed packed shapes. Bridge's distributed optimizer (data parallel 2) equals one
-process and resumes bit for bit, on one node and on two (two torchrun launchers under their own
-hostnames sharing this filesystem). Skipped where Megatron-Bridge is not installed.
+Every layout starts from the same weights, a random Llama imported through AutoBridge and given as
+``checkpoint.pretrained_checkpoint``, and runs 3 fp32 steps on the same windows: pipeline 2 and
+tensor 2 x context 2 (context parallel's all-gather; tests/bridge/test_bridge.py runs its a2a) each
+equal one process of `nemo-anchor train` from those weights within 1e-5. Batches reach every rank in
+Megatron-LM's fixed packed shapes. Bridge's distributed optimizer (data parallel 2) equals that one
+process and resumes bit for bit, on two nodes (two torchrun launchers under their own hostnames
+sharing this filesystem) where ``unshare -u`` is permitted, on one node otherwise. Skipped where
+Megatron-Bridge is not installed.
 """
 import importlib.util
 import json
@@ -21,10 +23,13 @@ import torch
 if importlib.util.find_spec("megatron.bridge") is None:  # checked before nemo_anchor.bridge installs its shims
     pytest.skip("Megatron-Bridge is not installed (scripts/setup_env.sh's .venv-bridge has it)", allow_module_level=True)
 
-import nemo_anchor.bridge  # noqa: E402,F401
+import nemo_anchor.bridge  # noqa: E402
+
+import transformers  # noqa: E402
 
 from nemo_anchor.cli import main as cli  # noqa: E402
-from nemo_anchor.data import PackedDataset, collate_windows, fixed_shape_batch, variable_shape_batch  # noqa: E402
+from nemo_anchor.data import (PackedDataset, byte_tokenizer, collate_windows, fixed_shape_batch,  # noqa: E402
+                              variable_shape_batch)
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
@@ -62,8 +67,8 @@ def run_config(tmp_path_factory):
 
 def bridge_pretrain(config, save, *overrides, nproc=1, timeout=600):
     launcher = [sys.executable, "-m", "nemo_anchor.bridge.pretrain"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", "-m", "nemo_anchor.bridge.pretrain"]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "nemo_anchor.bridge.pretrain"]  # torchrun takes a free port itself: none taken between look and bind
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([*launcher, "--config", str(config), f"checkpoint.save={save}", f"checkpoint.load={save}",
                           "--peak-tflops", "1", *overrides], env=env, capture_output=True, text=True, timeout=timeout)
@@ -73,17 +78,30 @@ def bridge_pretrain(config, save, *overrides, nproc=1, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def first_step(run_config, tmp_path_factory):
-    """A 1-step Bridge checkpoint from Bridge's own initialisation: every layout below starts from its weights."""
-    save = tmp_path_factory.mktemp("first-step")
-    bridge_pretrain(run_config[0], save, "train.train_iters=1")
-    return save
+def start_checkpoint(tmp_path_factory):
+    """A random Llama of SHAPE with the byte tokenizer, imported through AutoBridge in this process (no pretrain
+    process to start): every layout below starts from its weights."""
+    root = tmp_path_factory.mktemp("start")
+    config = transformers.LlamaConfig(
+        vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"], intermediate_size=SHAPE["ffn_hidden_size"],
+        num_hidden_layers=SHAPE["num_layers"], num_attention_heads=SHAPE["num_attention_heads"],
+        num_key_value_heads=SHAPE["num_query_groups"], max_position_embeddings=64, rope_theta=10000.0,
+        bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
+    byte_tokenizer().save(root / "hf")
+    return nemo_anchor.bridge.import_hf(root / "hf", root / "megatron")
 
 
 @pytest.fixture(scope="module")
-def one_process(run_config, first_step, tmp_path_factory):
-    save = tmp_path_factory.mktemp("one-process")
-    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={first_step}")
+def one_process(run_config, start_checkpoint, tmp_path_factory):
+    """The 3 steps in one process of `nemo-anchor train`, in this process, from the same HF weights
+    (tests/bridge/test_bridge.py: Bridge's pretrain() in one process equals it within 1e-5)."""
+    output = tmp_path_factory.mktemp("one-process") / "run"
+    assert cli(["train", "--config", str(run_config[0]), f"output_dir={output}",
+                f"model.init_from_hf={start_checkpoint.parent / 'hf'}"]) == 0
+    return {r["step"]: r["loss"] for r in map(json.loads, (output / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
 
 
 def test_fixed_shape_batches_carry_documents_and_windows(run_config):
@@ -108,13 +126,13 @@ def test_fixed_shape_batches_carry_documents_and_windows(run_config):
 
 
 @pytest.mark.parametrize("layout", [
-    pytest.param(("model.tensor_model_parallel_size=2",), id="tensor2"),
     pytest.param(("model.pipeline_model_parallel_size=2",), id="pipeline2"),
-    pytest.param(("model.tensor_model_parallel_size=2", "model.context_parallel_size=2"), id="tensor2xcontext2"),
+    pytest.param(("model.tensor_model_parallel_size=2", "model.context_parallel_size=2",
+                  "model.cp_comm_type=all_gather"), id="tensor2xcontext2"),
 ])
-def test_model_parallel_layout_equals_one_process(run_config, first_step, one_process, layout, tmp_path):
-    nproc = 4 if len(layout) == 2 else 2
-    losses = bridge_pretrain(run_config[0], tmp_path / "run", f"checkpoint.pretrained_checkpoint={first_step}",
+def test_model_parallel_layout_equals_one_process(run_config, start_checkpoint, one_process, layout, tmp_path):
+    nproc = 4 if len(layout) > 1 else 2
+    losses = bridge_pretrain(run_config[0], tmp_path / "run", f"checkpoint.pretrained_checkpoint={start_checkpoint}",
                              *layout, nproc=nproc)
     assert sorted(losses) == [1, 2, 3] == sorted(one_process)
     for step in losses:
@@ -125,27 +143,17 @@ DISTRIBUTED_OPTIMIZER = ("optimizer.use_distributed_optimizer=true", "ddp.use_di
 
 
 @pytest.fixture(scope="module")
-def data_parallel_2(run_config, first_step, tmp_path_factory):
+def data_parallel_2(run_config, start_checkpoint, tmp_path_factory):
     """3 steps on one node, two processes (data parallel 2) with Bridge's distributed optimizer."""
     save = tmp_path_factory.mktemp("data-parallel-2")
-    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={first_step}",
+    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={start_checkpoint}",
                            *DISTRIBUTED_OPTIMIZER, nproc=2)
 
 
-def test_distributed_optimizer_equals_one_process_and_resumes_exactly(run_config, first_step, one_process,
-                                                                      data_parallel_2, tmp_path):
-    from megatron.core import dist_checkpointing
-
+def test_distributed_optimizer_equals_one_process(one_process, data_parallel_2):
     assert sorted(data_parallel_2) == [1, 2, 3]
     for step in data_parallel_2:  # each rank updates its half of the parameters
         assert data_parallel_2[step] == pytest.approx(one_process[step], abs=1e-5)
-    start = f"checkpoint.pretrained_checkpoint={first_step}"
-    bridge_pretrain(run_config[0], tmp_path / "split", start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2",
-                    "checkpoint.save_interval=2", nproc=2)
-    saved = dist_checkpointing.load_content_metadata(str(tmp_path / "split" / "iter_0000002"))
-    assert saved["distrib_optim_sharding_type"] == "dp_reshardable"  # the optimizer state is sharded over ranks
-    resumed = bridge_pretrain(run_config[0], tmp_path / "split", start, *DISTRIBUTED_OPTIMIZER, nproc=2)
-    assert resumed == data_parallel_2  # steps 1-2 from the first run's metrics, step 3 after the resume: bit for bit
 
 
 def can_unshare() -> bool:
@@ -176,11 +184,20 @@ def bridge_pretrain_on_two_nodes(config, save, *overrides, timeout=600):
             if "loss" in r}
 
 
-@pytest.mark.skipif(not can_unshare(), reason="needs `unshare -u` (root or user namespaces)")
-def test_two_nodes_train_save_and_resume_as_one_node(run_config, first_step, data_parallel_2, tmp_path):
-    start = f"checkpoint.pretrained_checkpoint={first_step}"
-    two_nodes = tmp_path / "two-nodes"
-    bridge_pretrain_on_two_nodes(run_config[0], two_nodes, start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2",
-                                 "checkpoint.save_interval=2")
-    resumed = bridge_pretrain_on_two_nodes(run_config[0], two_nodes, start, *DISTRIBUTED_OPTIMIZER)
-    assert resumed == data_parallel_2
+def test_distributed_optimizer_saves_sharded_and_resumes_exactly(run_config, start_checkpoint, data_parallel_2,
+                                                                 tmp_path):
+    """2 steps saved, then resumed to 3: on two nodes where `unshare -u` is permitted (one node otherwise)."""
+    from megatron.core import dist_checkpointing
+
+    def data_parallel_run(*overrides):
+        if can_unshare():
+            return bridge_pretrain_on_two_nodes(run_config[0], split, *overrides)
+        return bridge_pretrain(run_config[0], split, *overrides, nproc=2)
+
+    split = tmp_path / "split"
+    start = f"checkpoint.pretrained_checkpoint={start_checkpoint}"
+    data_parallel_run(start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2", "checkpoint.save_interval=2")
+    saved = dist_checkpointing.load_content_metadata(str(split / "iter_0000002"))
+    assert saved["distrib_optim_sharding_type"] == "dp_reshardable"  # the optimizer state is sharded over ranks
+    resumed = data_parallel_run(start, *DISTRIBUTED_OPTIMIZER)
+    assert resumed == data_parallel_2  # steps 1-2 from the first run's metrics, step 3 after the resume: bit for bit
