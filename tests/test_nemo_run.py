@@ -322,17 +322,22 @@ def test_data_of_another_tokenizer_is_refused_before_the_first_step(straight, st
     assert not (tmp_path / "anchor_smollm2_135m" / "metrics.jsonl").exists()  # no step taken
 
 
-def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(data, tmp_path):
+def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(tmp_path):
     """While a run trains, another one into the same log.log_dir is refused naming its host and pid; SIGTERM to
     the first one's process group (as Slurm and torchrun send it) saves the step it reached and exits 75.
     The first run is stopped (SIGSTOP) while the second one starts: a live holder all the same, and it does not
-    spend the second one's start (NeMo's imports) training."""
+    spend the second one's start (NeMo's imports) training. The run guards are under test, not the model: one
+    layer on 64-token byte windows, whose steps and save cost less."""
     import signal
     import time
 
+    from tiny_runs import pack_texts  # tests/tiny_runs.py
+
     log_dir = tmp_path / "log"
-    first = _nemo(_command(data, log_dir, 200), start_new_session=True, stdout=subprocess.PIPE,
-                  stderr=subprocess.STDOUT)
+    args = [f"data.path={pack_texts(tmp_path)}", "data.seq_length=64", "model.config.seq_length=64",
+            "model.config.num_layers=1", "trainer.devices=1", "data.global_batch_size=1", "data.micro_batch_size=1",
+            "trainer.max_steps=5000", f"log.log_dir={log_dir}", "-y"]
+    first = _nemo(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     metrics = log_dir / "anchor_smollm2_135m" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 540
@@ -340,7 +345,7 @@ def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(data, tmp_path):
             assert first.poll() is None, first.stdout.read()[-3000:]
             time.sleep(1)
         os.killpg(first.pid, signal.SIGSTOP)
-        second = _nemo(_command(data, log_dir, 200))
+        second = _nemo(args)
         assert second.returncode != 0 and first.poll() is None
         assert f"is in use by another training run (host {os.uname().nodename}, pid {first.pid}" in \
             second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
