@@ -22,6 +22,8 @@
 #
 # --cpu-smoke runs every part end to end on the CPU at toy sizes (the tiny model at 256-512 tokens, planned for
 # an 80 GB GPU; 256-token kernels): the plumbing (imports, JSON, merge, targets, the previous tree), no numbers.
+# The parts that run smollm2's code again on another tree or shape run fewer types there: the previous tree and
+# llama8b_32k the anchor, llama8b_64k the anchor and full (the targets only that shape is judged on).
 #
 # On the lent GPU machine (device tool `run`, from the repo root), after, on the CPU machine:
 #   bash ../shared/gpu/fetch_wheels.sh /tmp/gpu-wheels .      # .whl (megatron-core, omegaconf, ...), .whl_a, .whl_b
@@ -89,6 +91,8 @@ model() {  # part name, then scripts/bench_train.py arguments; stops starting ru
 export -f check model
 GRID=(--kinds anchor intra_doc full)
 CURRENT=(--anchor-paths merge kv_copy --same-family)
+PREVIOUS_GRID=("${GRID[@]}")
+GRID32K=("${GRID[@]}" "${CURRENT[@]}"); GRID64K=("${GRID[@]}" "${CURRENT[@]}")
 if [ $SMOKE = 1 ]; then
     echo "gpu_suite: --cpu-smoke: every part on the CPU at toy sizes; the numbers mean nothing"
     SMOKE_MODEL=(--model tiny --mean-doc 64 --gpu-memory 80 --precision bf16 --steps 1 --warmup 0)
@@ -99,6 +103,8 @@ if [ $SMOKE = 1 ]; then
     STEPS32K=(); STEPS64K=()
     CONFORMANCE=(--cpu-smoke)
     CP2=(--cpu-smoke)
+    PREVIOUS_GRID=(--kinds anchor)
+    GRID32K=(--kinds anchor); GRID64K=(--kinds anchor full)
 else
     SMOLLM2=(--model smollm2 --lengths 8192 --mean-doc 4096 --steps 5 --warmup 2)
     KERNELS=(--quick --lengths 32768 65536 131072 --repeats 5)
@@ -111,9 +117,9 @@ fi
 run_part preflight 30 "$PY" scripts/gpu_suite.py --preflight "$OUT"
 run_part conformance 80 check conformance --sections conformance "${CONFORMANCE[@]}"
 run_part smollm2 80 model smollm2 "${SMOLLM2[@]}" "${GRID[@]}" "${CURRENT[@]}"
-run_part previous 60 model previous "${SMOLLM2[@]}" "${GRID[@]}" --tree "$PREVIOUS"
+run_part previous 60 model previous "${SMOLLM2[@]}" "${PREVIOUS_GRID[@]}" --tree "$PREVIOUS"
 run_part speed 75 check speed --sections speed "${KERNELS[@]}"
-run_part llama8b_32k 110 model llama8b_32k "${LLAMA8B[@]}" "${L32K[@]}" "${STEPS32K[@]}" "${GRID[@]}" "${CURRENT[@]}"
-run_part llama8b_64k 130 model llama8b_64k "${LLAMA8B[@]}" "${L64K[@]}" "${STEPS64K[@]}" "${GRID[@]}" "${CURRENT[@]}"
+run_part llama8b_32k 110 model llama8b_32k "${LLAMA8B[@]}" "${L32K[@]}" "${STEPS32K[@]}" "${GRID32K[@]}"
+run_part llama8b_64k 130 model llama8b_64k "${LLAMA8B[@]}" "${L64K[@]}" "${STEPS64K[@]}" "${GRID64K[@]}"
 run_part cp2 60 check cp2 --sections cp2 "${CP2[@]}"
 "$PY" scripts/gpu_suite.py "$OUT" --started "$started"

@@ -6,8 +6,9 @@
 - under torchrun, SIGTERM to the launcher reaches every worker, which save and exit 75;
 - two torchrun launchers, each in its own UTS namespace with its own hostname, sharing this
   filesystem, train, save and resume;
-- and every interrupted run, resumed by the same command, gives the losses of an uninterrupted run
-  (float64-free: fp32 on the CPU, where 1, 2 processes and 2 nodes give the same sums).
+- and every interrupted run, resumed (by the same command on two nodes, in one process otherwise), gives the
+  losses of an uninterrupted run (float64-free: fp32 on the CPU, where 1, 2 processes and 2 nodes give the
+  same sums).
 """
 import json
 import os
@@ -150,31 +151,25 @@ def test_group_sigterm_after_earlier_saves_saves_the_step_reached(setup, tmp_pat
     _check_saved_and_resume(setup, run, relaunch)
 
 
-def test_torchrun_sigterm_to_the_launcher_saves_on_every_rank(setup, tmp_path, launched):
+def test_torchrun_sigterm_to_the_launcher_saves_on_every_rank(setup, tmp_path, capsys, launched):
     _, _, config, script = setup
     run, exits = tmp_path / "run", tmp_path / "exits"
     exits.mkdir()
-    env = child_environment(EXIT_DIR=str(exits))
-
-    def torchrun(*overrides) -> subprocess.Popen:
-        launched.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                          "--master-port", str(_free_port()), str(script), "--config", str(config),
-                                          f"output_dir={run}", *overrides], env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True))
-        return launched[-1]
-
-    launcher = torchrun()
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-port", str(_free_port()), str(script), "--config", str(config),
+                                 f"output_dir={run}"], env=child_environment(EXIT_DIR=str(exits)),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launched.append(launcher)
     _wait_for_step(run, SIGNAL_AFTER, [launcher])
     launcher.send_signal(signal.SIGTERM)  # torchrun forwards it to each worker's process group
     output = launcher.communicate(timeout=WAIT_S)[0]
     assert _exit_statuses(exits) == {"rank0": EXIT_PREEMPTED, "rank1": EXIT_PREEMPTED}, output[-3000:]
     assert "stop requested (SIGTERM)" in output
 
-    def relaunch(*overrides):
-        again = torchrun(*overrides)
-        output = again.communicate(timeout=WAIT_S)[0]
-        assert again.returncode == 0, output[-3000:]
-        return output
+    def relaunch(*overrides):  # in this process: the resume reads both ranks' shards (the two nodes' test
+        # resumes under torchrun again)
+        assert main(["train", "--config", str(config), f"output_dir={run}", *overrides]) == 0
+        return capsys.readouterr().out
 
     _check_saved_and_resume(setup, run, relaunch)
 

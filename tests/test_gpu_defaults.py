@@ -85,12 +85,14 @@ def test_this_machine_builds_the_cpu_configs():
 _OVERLAPPED_PRETRAIN = '''
 import sys
 
-import torch
+# the GPU's DDP config (overlapped grad reduce and param gather) on gloo; dist_checkpointing's spawn-context
+# Manager re-imports this module, so the trainer is imported only here
+if __name__ == "__main__":
+    import torch
 
-from nemo_anchor.training import engine
-from nemo_anchor.training.cli import main
+    from nemo_anchor.training import engine
+    from nemo_anchor.training.cli import main
 
-if __name__ == "__main__":  # the GPU's DDP config (overlapped grad reduce and param gather) on gloo
     gpu_configs = engine.megatron_configs
     engine.megatron_configs = lambda config, device: gpu_configs(config, torch.device("cuda"))
     sys.exit(main())

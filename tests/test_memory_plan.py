@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB = 384
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, seq_length=64)
 
+# every case of one process count in one launch: argv = JSON [[precision, tensor], ...], model, output folder
 _MEASURE = r'''
 import json, sys, torch, torch.distributed as dist
 from nemo_anchor.model.config import ModelConfig
@@ -24,40 +25,56 @@ from nemo_anchor.parallel.distributed import initialize_parallel
 from nemo_anchor.training.config import RunConfig, TrainerConfig
 from nemo_anchor.training.engine import build_engine, train_step
 from nemo_anchor.training.memory import state_bytes
-precision, tensor, model, out = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
-ctx = initialize_parallel(tensor_parallel_size=tensor)
-config = RunConfig(model=ModelConfig(**model, tensor_model_parallel_size=tensor),
-                   trainer=TrainerConfig(precision=precision, global_batch_size=ctx.data_parallel_size))
-engine = build_engine(config, ctx, 384)
-T = model["seq_length"]
-tokens = torch.randint(0, 384, (1, T))
-batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T), position_ids=torch.arange(T)[None],
-             cu_seqlens=torch.tensor([0, T // 3, T], dtype=torch.int32), cu_windows=torch.tensor([0, T], dtype=torch.int32))
-train_step(engine, config, [batch])  # Adam's moments exist after the first step
-b = state_bytes(engine)
-with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:  # one file per rank: their stdout interleaves
-    json.dump([dist.get_rank(), ctx.data_parallel_rank, b.weights, b.gradients, b.optimizer], f)
+cases, model, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+for precision, tensor in cases:
+    ctx = initialize_parallel(tensor_parallel_size=tensor)
+    config = RunConfig(model=ModelConfig(**model, tensor_model_parallel_size=tensor),
+                       trainer=TrainerConfig(precision=precision, global_batch_size=ctx.data_parallel_size))
+    engine = build_engine(config, ctx, 384)
+    T = model["seq_length"]
+    tokens = torch.randint(0, 384, (1, T))
+    batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T),
+                 position_ids=torch.arange(T)[None], cu_seqlens=torch.tensor([0, T // 3, T], dtype=torch.int32),
+                 cu_windows=torch.tensor([0, T], dtype=torch.int32))
+    train_step(engine, config, [batch])  # Adam's moments exist after the first step
+    b = state_bytes(engine)
+    with open(f"{out}/{precision}_tp{tensor}_rank{dist.get_rank()}.json", "w") as f:  # their stdout interleaves
+        json.dump([dist.get_rank(), ctx.data_parallel_rank, b.weights, b.gradients, b.optimizer], f)
+    del engine
 '''
+# (processes, precision, tensor): the cases of one process count share its launch
+CASES = [(1, "bf16", 1), (1, "fp32", 1), (2, "bf16", 1), (2, "fp32", 2)]
 
 
-def _measure(tmp_path, processes: int, precision: str, tensor: int = 1) -> list[list[int]]:
-    script = tmp_path / "measure.py"
+@pytest.fixture(scope="module")
+def measure(tmp_path_factory):
+    """``measure(processes, precision, tensor)``: each rank's [rank, data-parallel rank, weight, gradient and
+    optimizer bytes] after one step (its process count's launch runs on first use)."""
+    out = tmp_path_factory.mktemp("measured")
+    script = out / "measure.py"
     script.write_text(_MEASURE)
-    launcher = [sys.executable] if processes == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*launcher, str(script), precision, str(tensor), json.dumps(MODEL), str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    done = set()
+
+    def ranks(processes: int, precision: str, tensor: int) -> list[list[int]]:
+        if processes not in done:
+            launcher = [sys.executable] if processes == 1 else [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+            cases = [[p, t] for n, p, t in CASES if n == processes]
+            proc = subprocess.run([*launcher, str(script), json.dumps(cases), json.dumps(MODEL), str(out)],
+                                  capture_output=True, text=True, timeout=600, env=env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done.add(processes)
+        return [json.loads(path.read_text()) for path in sorted(out.glob(f"{precision}_tp{tensor}_rank*.json"))]
+    return ranks
 
 
-@pytest.mark.parametrize("processes,precision,tensor", [(1, "bf16", 1), (1, "fp32", 1), (2, "bf16", 1), (2, "fp32", 2)])
-def test_planned_weight_gradient_and_optimizer_bytes_are_exact(tmp_path, processes, precision, tensor):
+@pytest.mark.parametrize("processes,precision,tensor", CASES)
+def test_planned_weight_gradient_and_optimizer_bytes_are_exact(measure, processes, precision, tensor):
     layout = Layout(processes, tensor=tensor)
     planned = planned_state_bytes(ModelConfig(**MODEL), VOCAB, layout, bf16=precision == "bf16",
                                   distributed_optimizer=True)
-    measured = _measure(tmp_path, processes, precision, tensor)
+    measured = measure(processes, precision, tensor)
     assert len(measured) == processes
     for _, _, weights, gradients, optimizer in measured:
         assert (weights, gradients) == (planned.weights, planned.gradients)
@@ -93,15 +110,7 @@ def test_saved_activations_within_a_quarter_of_the_estimate(precision, recompute
 # host memory a checkpoint save, load and model.init_from_hf add, measured as the rise of the
 # process's peak resident set (Linux: writing 5 to /proc/self/clear_refs resets the peak)
 _MEASURE_CHECKPOINT = r'''
-import json, sys, torch
-from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.model.gpt import build_gpt_model
-from nemo_anchor.parallel.distributed import initialize_parallel
-from nemo_anchor.run_dir import RunDir
-from nemo_anchor.training import checkpoint
-from nemo_anchor.training.config import RunConfig, TrainerConfig
-from nemo_anchor.training.engine import build_engine, train_step
-from nemo_anchor.training.init_from_hf import init_model_from_hf
+import json, sys
 
 
 def status(field):
@@ -115,7 +124,19 @@ def peak_rise(run):
     return status("VmHWM") - before
 
 
-if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-import this module
+# dist_checkpointing's spawn-context Manager re-imports this module: torch and the trainer are imported only here
+if __name__ == "__main__":
+    import torch
+
+    from nemo_anchor.model.config import ModelConfig
+    from nemo_anchor.model.gpt import build_gpt_model
+    from nemo_anchor.parallel.distributed import initialize_parallel
+    from nemo_anchor.run_dir import RunDir
+    from nemo_anchor.training import checkpoint
+    from nemo_anchor.training.config import RunConfig, TrainerConfig
+    from nemo_anchor.training.engine import build_engine, train_step
+    from nemo_anchor.training.init_from_hf import init_model_from_hf
+
     model, vocab, hf_dir, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     ctx = initialize_parallel()
     config = RunConfig(output_dir=out, model=ModelConfig(**model), trainer=TrainerConfig(precision="bf16",

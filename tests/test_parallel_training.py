@@ -3,7 +3,8 @@
 Data parallelism with the distributed optimizer, tensor parallelism (with sequence parallelism),
 pipeline parallelism, context parallelism (both communication types, up to 8 ranks) and their
 products, and resuming a checkpoint in another layout. Runs of one process count share one
-torchrun launch (:data:`_RUNS`), so each process count starts its workers once.
+torchrun launch (:data:`_RUNS`), so each process count starts its workers once; the resumed runs
+of two processes go on in the two-process launch, those of one process run in this one.
 """
 import json
 import os
@@ -23,14 +24,25 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "a", "Pack my box 
 STEPS = 4
 RESUME_AT = 2  # the resumed runs take two steps, so the second one uses the optimizer state read back
 
-# several training runs in one launch: argv = config, JSON [[output_dir, [overrides...]], ...]
+# several training runs in one launch: argv = config, JSON [[output_dir, [overrides...], continued], ...]; a run
+# with ``continued`` (the output_dir of an earlier run of the launch) starts from a copy of that run's folder
 _RUNS = '''
-import json, sys
-from nemo_anchor.training.config import load_config
-from nemo_anchor.training.loop import train
+import json, shutil, sys
 
-if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-import this module
-    for output_dir, overrides in json.loads(sys.argv[2]):
+# dist_checkpointing's spawn-context Manager (its write-results queue) re-imports this module: importing the
+# trainer only here keeps Megatron out of that process
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    from nemo_anchor.training.config import load_config
+    from nemo_anchor.training.loop import train
+
+    for output_dir, overrides, continued in json.loads(sys.argv[2]):
+        if continued:  # every rank has finished the earlier run; one copies its folder
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.copytree(continued, output_dir)
+            dist.barrier()
         train(load_config(sys.argv[1], [f"output_dir={output_dir}", *overrides]))
 '''
 ANCHOR, RESET = "model.attention_type=anchor", "model.attention_type=intra_doc_reset"
@@ -69,7 +81,7 @@ def config(root):
         "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 64, "num_attention_heads": 16,
                   "num_query_groups": 8, "seq_length": 64, "attention_backend": "cpu", "vocab_size": 384},
         "data": {"path": str(packed)},
-        "trainer": {"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 1, "precision": "fp32",
+        "trainer": {"max_steps": STEPS, "global_batch_size": 2, "micro_batch_size": 1, "precision": "fp32",
                     "progress_bar": False},
         "optim": {"lr": 3e-3, "schedule": "constant", "clip_grad": 1.0},
         "checkpoint": {"save_every": 0},
@@ -77,12 +89,14 @@ def config(root):
     return path
 
 
-def _launch(config: Path, processes: int, runs: list[tuple[Path, list[str]]]) -> None:
+def _launch(config: Path, processes: int, runs: list[tuple]) -> None:
+    """``runs``: (output_dir, overrides) or (output_dir, overrides, the earlier run's output_dir it continues)."""
     script = config.parent / "runs.py"
     script.write_text(_RUNS)
     launcher = [sys.executable] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    plan = json.dumps([[str(out), overrides] for out, overrides in runs])
+    plan = json.dumps([[str(out), overrides, str(continued[0]) if continued else None]
+                       for out, overrides, *continued in runs])
     proc = subprocess.run([*launcher, str(script), str(config), plan], capture_output=True, text=True, timeout=900,
                           env=_child_environment())
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -96,11 +110,14 @@ def _losses(output_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def start(config, root):
     """Starting weights for every run (``model.init_from_hf``): a random init depends on the layout
-    (each tensor-parallel rank draws its own SwiGLU halves), loading one checkpoint does not."""
+    (each tensor-parallel rank draws its own SwiGLU halves), loading one checkpoint does not. Their launch
+    goes on with the one-process runs of :data:`LAYOUTS`, which start from them."""
+    start = {vocab: f"model.init_from_hf={root / name}" for vocab, name in ((None, "start"),
+                                                                          (BYTE_VOCAB, "start_byte_vocab"))}
     _launch(config, 1, [(root / "start", ["trainer.max_steps=1"]),
-                        (root / "start_byte_vocab", ["trainer.max_steps=1", BYTE_VOCAB])])
-    return {vocab: f"model.init_from_hf={root / name}" for vocab, name in ((None, "start"),
-                                                                         (BYTE_VOCAB, "start_byte_vocab"))}
+                        (root / "start_byte_vocab", ["trainer.max_steps=1", BYTE_VOCAB]),
+                        *_runs_of(start, root, 1)])
+    return start
 
 
 def _start(start: dict, overrides: list[str]) -> str:
@@ -132,16 +149,24 @@ LAYOUTS = {
 }
 
 
+def _runs_of(start: dict, root: Path, processes: int) -> list[tuple[Path, list[str]]]:
+    """The :data:`LAYOUTS` runs of one process count, from the starting weights."""
+    return [(root / run, [_start(start, overrides), *overrides])
+            for run, (count, overrides) in LAYOUTS.items() if count == processes]
+
+
 @pytest.fixture(scope="module")
 def trained(config, root, start):
-    """``trained(name)``: the per-step losses of a :data:`LAYOUTS` run (its process count's launch runs on first use)."""
-    done = set()
+    """``trained(name)``: the per-step losses of a :data:`LAYOUTS` run (its process count's launch runs on first use;
+    the two-process launch goes on with the two-process runs of :data:`RESUMED`)."""
+    done = {1}  # the starting weights' launch ran the one-process runs
 
     def losses(name: str) -> dict[int, float]:
         processes = LAYOUTS[name][0]
         if processes not in done:
-            _launch(config, processes, [(root / run, [_start(start, overrides), *overrides])
-                                        for run, (count, overrides) in LAYOUTS.items() if count == processes])
+            continued = [(root / run, [_start(start, overrides), *overrides], root / saved)
+                         for run, (saved, count, overrides) in RESUMED.items() if count == processes]
+            _launch(config, processes, _runs_of(start, root, processes) + continued)
             done.add(processes)
         return _losses(root / name)
     return losses
@@ -180,14 +205,15 @@ def test_layout_reproduces_one_process(trained, name):
 
 
 @pytest.fixture(scope="module")
-def resumed(config, root, start, trained):
-    """The data-parallel checkpoint of step RESUME_AT, continued to STEPS in other layouts."""
-    for name, (saved, _, _) in RESUMED.items():
+def resumed(root, config, start, trained):
+    """The data- or tensor-parallel checkpoint of step RESUME_AT, continued to STEPS in other layouts: those of
+    two processes in the two-process launch (after the runs they continue), those of one in this process."""
+    for name, (saved, processes, overrides) in RESUMED.items():
         trained(saved)  # its process count's launch
-        shutil.copytree(root / saved, root / name)
-    for count in (2, 1):
-        _launch(config, count, [(root / name, [_start(start, overrides), *overrides])
-                                for name, (_, processes, overrides) in RESUMED.items() if processes == count])
+        if processes == 1:
+            shutil.copytree(root / saved, root / name)
+            assert cli(["train", "--config", str(config), f"output_dir={root / name}", _start(start, overrides),
+                        *overrides]) == 0
     return lambda name: _losses(root / name)
 
 

@@ -20,7 +20,7 @@ CORPUS = [
     "The Python standard library includes modules for regular expressions, dates and file handling.",
     "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
 ] * 8
-WINDOW = 128
+WINDOW = 64
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +61,13 @@ def test_continued_pretraining_export_and_generate(smollm2_dir, reference, impor
                 "--output", str(tmp_path / "packed")]) == 0
     config = tmp_path / "train.yaml"  # the model section import-hf wrote, trained on a shorter window
     config.write_text(yaml.safe_dump({**yaml.safe_load((imported / "config.yaml").read_text()),
-                                      "trainer": {"max_steps": 2, "global_batch_size": 1, "precision": "fp32",
+                                      "trainer": {"max_steps": 1, "global_batch_size": 1, "precision": "fp32",
                                                   "progress_bar": False},
                                       "optim": {"lr": 1e-4}}))
     assert cli(["train", "--config", str(config), f"output_dir={imported}", f"data.path={tmp_path / 'packed'}",
                 f"model.seq_length={WINDOW}", "model.attention_type=anchor"]) == 0
     losses = [json.loads(line) for line in (imported / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in losses if "loss" in r] == [1, 2]
+    assert [r["step"] for r in losses if "loss" in r] == [1]
     assert all(0 < r["loss"] < 10 for r in losses if "loss" in r)  # a pretrained model, not log(49152) = 10.8
 
     exported = tmp_path / "hf"
@@ -81,7 +81,7 @@ def test_continued_pretraining_export_and_generate(smollm2_dir, reference, impor
     with torch.no_grad():
         trained = hf(tokens).logits
         assert (load_checkpoint(imported)(tokens) - trained).abs().max() <= 1e-4
-        assert (original(tokens).logits - trained).abs().max() > 1e-3  # the two steps moved the weights
+        assert (original(tokens).logits - trained).abs().max() > 1e-3  # the step moved the weights
 
     prompt = tokenizer("The capital of France is", return_tensors="pt")
     generated = hf.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)

@@ -43,11 +43,13 @@ HELD = 3  # the checksum pass of this scheduled save (save_every=3) never ends
 _OBSERVED = f'''
 import os, sys, threading, time
 from pathlib import Path
-from nemo_anchor import checksums
-from nemo_anchor.training import engine, preemption
-from nemo_anchor.training.cli import main
 
-if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-import this module
+# dist_checkpointing's spawn-context Manager re-imports this module: the trainer is imported only here
+if __name__ == "__main__":
+    from nemo_anchor import checksums
+    from nemo_anchor.training import engine, preemption
+    from nemo_anchor.training.cli import main
+
     events = Path(os.environ["EVENTS"])
     signalled = threading.Event()
     handle = preemption.StopRequest._handle
