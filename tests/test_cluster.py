@@ -115,6 +115,14 @@ def _exit_statuses(exits) -> dict[str, int]:
     return {path.name: int(path.read_text()) for path in sorted(exits.iterdir())}
 
 
+def _relaunch_in_this_process(config, run, capsys):
+    """The same command as ``nemo-anchor train`` in this process, with more overrides; returns its output."""
+    def relaunch(*overrides) -> str:
+        assert main(["train", "--config", str(config), f"output_dir={run}", *overrides]) == 0
+        return capsys.readouterr().out
+    return relaunch
+
+
 def _check_saved_and_resume(setup, run, relaunch) -> None:
     """The signal's checkpoint is the last step logged, after the scheduled ones; the same command (``relaunch``
     with a nearer trainer.max_steps) resumes it; all losses equal an uninterrupted run's."""
@@ -144,20 +152,17 @@ def test_group_sigterm_after_earlier_saves_saves_the_step_reached(setup, tmp_pat
     assert process.returncode == EXIT_PREEMPTED, output[-3000:]
     assert "BrokenPipeError" not in output and "stop requested (SIGTERM)" in output
 
-    def relaunch(*overrides):  # the same command, in this process
-        assert main(["train", "--config", str(config), f"output_dir={run}", *overrides]) == 0
-        return capsys.readouterr().out
-
-    _check_saved_and_resume(setup, run, relaunch)
+    _check_saved_and_resume(setup, run, _relaunch_in_this_process(config, run, capsys))
 
 
 def test_torchrun_sigterm_to_the_launcher_saves_on_every_rank(setup, tmp_path, capsys, launched):
     _, _, config, script = setup
     run, exits = tmp_path / "run", tmp_path / "exits"
     exits.mkdir()
-    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                 "--master-port", str(_free_port()), str(script), "--config", str(config),
-                                 f"output_dir={run}"], env=child_environment(EXIT_DIR=str(exits)),
+    # --standalone: torchrun takes a free port itself (none can be taken between a look and its bind)
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 str(script), "--config", str(config), f"output_dir={run}"],
+                                env=child_environment(EXIT_DIR=str(exits)),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     launched.append(launcher)
     _wait_for_step(run, SIGNAL_AFTER, [launcher])
@@ -166,12 +171,8 @@ def test_torchrun_sigterm_to_the_launcher_saves_on_every_rank(setup, tmp_path, c
     assert _exit_statuses(exits) == {"rank0": EXIT_PREEMPTED, "rank1": EXIT_PREEMPTED}, output[-3000:]
     assert "stop requested (SIGTERM)" in output
 
-    def relaunch(*overrides):  # in this process: the resume reads both ranks' shards (the two nodes' test
-        # resumes under torchrun again)
-        assert main(["train", "--config", str(config), f"output_dir={run}", *overrides]) == 0
-        return capsys.readouterr().out
-
-    _check_saved_and_resume(setup, run, relaunch)
+    # in this process: the resume reads both ranks' shards (the two nodes' test resumes under torchrun again)
+    _check_saved_and_resume(setup, run, _relaunch_in_this_process(config, run, capsys))
 
 
 @pytest.mark.skipif(not _unshare_permitted(), reason="two nodes are simulated with a UTS namespace each "
