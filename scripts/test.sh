@@ -29,6 +29,9 @@ LAUNCH_TESTS=(
   tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
   tests/test_gpu_suite.py
 )
+# One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
+# spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 LOGS="$(mktemp -d)"
 background=()
 # the background lanes have sessions of their own: stopped with all their processes if this script stops first
