@@ -1,8 +1,8 @@
 """Context parallelism against single-process runs.
 
 In one process: Megatron's load-balanced layout, batch sharding (per-document RoPE padding
-included) checked against Megatron's own THD RoPE, and the start-up errors. Under torchrun (gloo,
-2 and 4 processes) this file is also the worker script: every process computes the
+included) checked against Megatron's own THD RoPE, and the start-up errors. On 2 and 4 gloo ranks (forked by
+torch's elastic agent, tests/forked_ranks.py) this file is also the worker script: every rank computes the
 single-process reference of the same inputs itself, runs the context-parallel version, and rank 0
 writes the largest differences (maxima over ranks) as JSON, on which the tests below assert.
 """
@@ -21,6 +21,7 @@ from nemo_anchor.data import collate_windows
 from nemo_anchor.parallel.context_parallel import (COMM_TYPES, check_head_split, context_parallel_attention,
                                                    shard_batch, shard_plan)
 from nemo_anchor.parallel.load_balance import rank_positions
+from tiny_runs import child_environment  # tests/tiny_runs.py
 
 T = 32  # window length: 2 x cp chunks of 8 (cp 2) or 4 (cp 4) tokens
 # per window: an anchor-only first document, 1-token documents, documents across every chunk boundary;
@@ -185,29 +186,23 @@ def test_world_size_not_divisible_by_cp_is_refused():
         initialize_parallel(context_parallel_size=2)
 
 
-# ---------------------------------------------------------------- under torchrun
-def _child_environment() -> dict:
-    """os.environ without the rendezvous variables that initialize_parallel() (run by other tests in
-    this process) leaves behind: a child would otherwise try to join this process's group."""
-    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {**{k: v for k, v in os.environ.items() if k not in launch}, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-
-
-def _torchrun(nproc: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_child_environment())
+# ---------------------------------------------------------------- on forked gloo ranks
+def _ranks(nproc: int, out: Path) -> dict:
+    """This file's ``__main__`` on ``nproc`` ranks (tests/forked_ranks.py); their results."""
+    proc = subprocess.run([sys.executable, __file__, str(out), str(nproc)], capture_output=True, text=True,
+                          timeout=600, env=child_environment())
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return _torchrun(2, tmp_path_factory.mktemp("cp2") / "results.json")
+    return _ranks(2, tmp_path_factory.mktemp("cp2") / "results.json")
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return _torchrun(4, tmp_path_factory.mktemp("cp4") / "results.json")
+    return _ranks(4, tmp_path_factory.mktemp("cp4") / "results.json")
 
 
 def _assert_small(diffs, tolerance):
@@ -267,7 +262,7 @@ def test_gpt_with_dp2_x_cp2_matches_one_process(four_ranks, comm_type, attention
         _assert_small({name: value}, MODEL_TOLERANCE["fp32"][name])
 
 
-# ---------------------------------------------------------------- the torchrun worker
+# ---------------------------------------------------------------- the worker (every rank)
 def _max_over_ranks(diffs: dict) -> dict:
     values = torch.tensor([v for pair in diffs.values() for v in pair], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -404,4 +399,8 @@ def _worker(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    from forked_ranks import run_ranks  # this file's folder is first on the path
+
+    import nemo_anchor.model.gpt  # noqa: F401  (Megatron, imported once before the ranks are forked)
+
+    run_ranks(int(sys.argv[2]), _worker, Path(sys.argv[1]))

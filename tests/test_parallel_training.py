@@ -1,10 +1,11 @@
-"""The trainer under torchrun (gloo): every parallel layout reproduces the single-process run.
+"""The trainer on several gloo ranks: every parallel layout reproduces the single-process run.
 
 Data parallelism with the distributed optimizer, tensor parallelism (with sequence parallelism),
 pipeline parallelism, context parallelism (both communication types, up to 8 ranks) and their
 products, and resuming a checkpoint in another layout. Runs of one process count share one
-torchrun launch (:data:`_RUNS`), so each process count starts its workers once; the resumed runs
-of two processes go on in the two-process launch, those of one process run in this one.
+launch (:data:`_RUNS`), whose ranks torch's elastic agent (what torchrun runs) forks from a process that
+has imported the trainer once (tests/forked_ranks.py); the resumed runs of two processes go on in the
+two-process launch, those of one process run in this one.
 """
 import json
 import os
@@ -17,33 +18,47 @@ import pytest
 import yaml
 
 from nemo_anchor.cli import main as cli
+from tiny_runs import child_environment  # tests/tiny_runs.py
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS_ON_THE_PATH = f"{REPO}{os.pathsep}{REPO / 'tests'}"  # the launch script imports tests/forked_ranks.py
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "a", "Pack my box with five dozen liquor jugs! " * 2,
          "How vexingly quick daft zebras jump; ", "Sphinx of black quartz, judge my vow. " * 5] * 8
 STEPS = 4
 RESUME_AT = 2  # the resumed runs take two steps, so the second one uses the optimizer state read back
 
-# several training runs in one launch: argv = config, JSON [[output_dir, [overrides...], continued], ...]; a run
-# with ``continued`` (the output_dir of an earlier run of the launch) starts from a copy of that run's folder
+# several training runs in one launch: argv = config, process count, JSON [[output_dir, [overrides...], continued],
+# ...]; a run with ``continued`` (the output_dir of an earlier run of the launch) starts from a copy of that run's folder
 _RUNS = '''
 import json, shutil, sys
 
-# dist_checkpointing's spawn-context Manager (its write-results queue) re-imports this module: importing the
-# trainer only here keeps Megatron out of that process
-if __name__ == "__main__":
+
+def run_all(config, plan):
     import torch.distributed as dist
 
     from nemo_anchor.training.config import load_config
     from nemo_anchor.training.loop import train
 
-    for output_dir, overrides, continued in json.loads(sys.argv[2]):
+    for output_dir, overrides, continued in plan:
         if continued:  # every rank has finished the earlier run; one copies its folder
             dist.barrier()
             if dist.get_rank() == 0:
                 shutil.copytree(continued, output_dir)
             dist.barrier()
-        train(load_config(sys.argv[1], [f"output_dir={output_dir}", *overrides]))
+        train(load_config(config, [f"output_dir={output_dir}", *overrides]))
+
+
+# dist_checkpointing's spawn-context Manager (its write-results queue) re-imports this module: the trainer is
+# imported only here, once, before the ranks are forked (tests/forked_ranks.py)
+if __name__ == "__main__":
+    import nemo_anchor.training.loop
+    from forked_ranks import run_ranks
+
+    processes, plan = int(sys.argv[2]), json.loads(sys.argv[3])
+    if processes == 1:
+        run_all(sys.argv[1], plan)
+    else:
+        run_ranks(processes, run_all, sys.argv[1], plan)
 '''
 ANCHOR, RESET = "model.attention_type=anchor", "model.attention_type=intra_doc_reset"
 TP2, PP2 = "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"
@@ -54,13 +69,6 @@ BYTE_VOCAB = "model.vocab_size=null"
 
 def _cp(size: int) -> str:
     return f"model.context_parallel_size={size}"
-
-
-def _child_environment() -> dict:
-    """os.environ without the rendezvous variables that initialize_parallel() (run by other tests in
-    this process) leaves behind: a child would otherwise try to join this process's group."""
-    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {**{k: v for k, v in os.environ.items() if k not in launch}, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +101,10 @@ def _launch(config: Path, processes: int, runs: list[tuple]) -> None:
     """``runs``: (output_dir, overrides) or (output_dir, overrides, the earlier run's output_dir it continues)."""
     script = config.parent / "runs.py"
     script.write_text(_RUNS)
-    launcher = [sys.executable] if processes == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     plan = json.dumps([[str(out), overrides, str(continued[0]) if continued else None]
                        for out, overrides, *continued in runs])
-    proc = subprocess.run([*launcher, str(script), str(config), plan], capture_output=True, text=True, timeout=900,
-                          env=_child_environment())
+    proc = subprocess.run([sys.executable, str(script), str(config), str(processes), plan], capture_output=True,
+                          text=True, timeout=900, env=child_environment(PYTHONPATH=TESTS_ON_THE_PATH))
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

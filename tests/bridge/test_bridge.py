@@ -1,5 +1,5 @@
 """AnchorAttention on Megatron-Bridge 0.6 (.venv-bridge): conversion through AutoBridge, Bridge's own
-pretrain() on packed windows against `nemo-anchor train`, resume, context parallel 2 under torchrun.
+pretrain() on packed windows against `nemo-anchor train`, resume, context parallel on 2 ranks.
 
 Skipped where Megatron-Bridge is not installed (the NeMo 2 environment).
 """
@@ -127,9 +127,9 @@ def start(tmp_path_factory):
 
 
 def bridge_pretrain(config, megatron, save, *overrides, nproc=1):
+    # several ranks: as torchrun --standalone -m nemo_anchor.bridge.pretrain, forked (tests/forked_ranks.py)
     launcher = [sys.executable, "-m", "nemo_anchor.bridge.pretrain"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "nemo_anchor.bridge.pretrain"]
+        sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), "nemo_anchor.bridge.pretrain"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([*launcher, "--config", str(config), f"checkpoint.pretrained_checkpoint={megatron}",
                           f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops", "1", *overrides],
@@ -170,7 +170,7 @@ def test_three_steps_then_resume_to_six_equals_the_straight_run(start, straight,
     assert losses(bridge_pretrain(config, megatron, tmp_path / "split")) == losses(straight[1])  # bit for bit
 
 
-def test_context_parallel_2_under_torchrun_equals_one_process(start, straight, tmp_path):
+def test_context_parallel_2_equals_one_process(start, straight, tmp_path):
     root, megatron, config = start
     two = losses(bridge_pretrain(config, megatron, tmp_path / "cp2", "train.train_iters=2",
                                  "model.context_parallel_size=2", nproc=2))

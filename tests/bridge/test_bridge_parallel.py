@@ -1,4 +1,4 @@
-"""Megatron-Bridge's pretrain() in model-parallel layouts on packed windows (.venv-bridge, torchrun on the CPU).
+"""Megatron-Bridge's pretrain() in model-parallel layouts on packed windows (.venv-bridge, gloo ranks on the CPU).
 
 Every layout starts from the same weights, a random Llama imported through AutoBridge and given as
 ``checkpoint.pretrained_checkpoint``, and runs 3 fp32 steps on the same windows: pipeline 2 and
@@ -66,9 +66,9 @@ def run_config(tmp_path_factory):
 
 
 def bridge_pretrain(config, save, *overrides, nproc=1, timeout=600):
+    # several ranks: as torchrun --standalone -m nemo_anchor.bridge.pretrain, forked (tests/forked_ranks.py)
     launcher = [sys.executable, "-m", "nemo_anchor.bridge.pretrain"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "nemo_anchor.bridge.pretrain"]  # torchrun takes a free port itself: none taken between look and bind
+        sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), "nemo_anchor.bridge.pretrain"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([*launcher, "--config", str(config), f"checkpoint.save={save}", f"checkpoint.load={save}",
                           "--peak-tflops", "1", *overrides], env=env, capture_output=True, text=True, timeout=timeout)
