@@ -10,12 +10,12 @@
 #   6 after training: the same probe and evaluation, and a before/after summary
 #
 #   bash scripts/demo.sh                  # everything under runs/demo (re-running resumes / reuses)
-#   DEMO_STEPS=8 bash scripts/demo.sh     # more training steps (2 by default; about 40 s each on 2 cores)
+#   DEMO_STEPS=8 bash scripts/demo.sh     # more training steps (1 by default; about 40 s each on 2 cores)
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 
 RUN="${DEMO_DIR:-runs/demo}"
-STEPS="${DEMO_STEPS:-2}"
+STEPS="${DEMO_STEPS:-1}"
 WINDOW=4096
 mkdir -p "$RUN"
 
@@ -55,7 +55,7 @@ diagnose() {  # MODEL_ARGS... NAME
     probe "${model[@]}" --output "$RUN/probe-$name" --data "$RUN/packed/valid" --variants bf16 fp32 \
       --num-sequences 1 --sequence-length 512 --shifts 0 8 100 --lengths 64 128 256 512 --overwrite \; \
     eval "${model[@]}" --output "$RUN/eval-$name" --tasks niah_single --lengths 1024 "$WINDOW" \
-      --num-samples 2 --max-new-tokens 16 --perplexity-data "$RUN/packed/valid" --perplexity-length "$WINDOW" \
+      --num-samples 1 --max-new-tokens 16 --perplexity-data "$RUN/packed/valid" --perplexity-length "$WINDOW" \
       --perplexity-windows 1 --overwrite
 }
 
@@ -74,9 +74,9 @@ prepare=()
 step "3/7 before training: BF16 RoPE probe (paper Section 2, Figure 1) and RULER-style evaluation of SmolLM2"
 [ -f "$RUN/eval-before/eval.json" ] || diagnose --hf "$SMOLLM2" before
 
-step "4/7 continue pretraining: $STEPS steps of one $WINDOW-token window, attention_type=anchor, bf16 (resumes)"
+step "4/7 continue pretraining: $STEPS step(s) of one $WINDOW-token window, attention_type=anchor, bf16 (resumes)"
 nemo-anchor train --config configs/demo.yaml output_dir="$RUN/train" data.path="$RUN/packed" \
-  data.valid_path="$RUN/packed/valid" model.init_from_hf="$RUN/start" trainer.max_steps="$STEPS"
+  model.init_from_hf="$RUN/start" trainer.max_steps="$STEPS" checkpoint.save_every="$STEPS"
 
 step "5/7 export to Hugging Face and generate with transformers (offline, no custom code)"
 HF_HUB_OFFLINE=1 python - "$RUN" <<'EOF'
