@@ -24,7 +24,7 @@ BRIDGE_TESTS=(
 )
 # NeMo's own CLI in new processes (each starts NeMo: 20 s of imports)
 NEMO_RUN_TESTS=(tests/test_nemo_run.py)
-# torchrun launches of several processes, signals and the GPU suite's CPU smoke: the other heavy half of .venv
+# several-rank launches, signals to torchrun, the GPU suite's CPU smoke: the other heavy half of .venv
 LAUNCH_TESTS=(
   tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
   tests/test_gpu_suite.py
