@@ -27,8 +27,9 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "a", "Pack my box 
 STEPS = 4
 RESUME_AT = 2  # the resumed runs take two steps, so the second one uses the optimizer state read back
 
-# several training runs in one launch: argv = config, process count, JSON [[output_dir, [overrides...], continued],
-# ...]; a run with ``continued`` (the output_dir of an earlier run of the launch) starts from a copy of that run's folder
+# several training runs in one launch: argv = config, process count,
+# JSON [[output_dir, [overrides...], continued], ...]; a run with ``continued`` (the output_dir of an earlier run
+# of the launch) starts from a copy of that run's folder
 _RUNS = '''
 import json, shutil, sys
 
