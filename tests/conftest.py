@@ -32,3 +32,23 @@ def tiny_byte_llama():
         byte_tokenizer().save(path)
         return path
     return save
+
+
+@pytest.fixture(scope="session")
+def preloaded():
+    """``preloaded("module:function", *modules)``: runs of that console-script entry, each a new process forked from
+    a server that imported ``modules`` once this session (tests/preloaded.py), in ``tiny_runs.child_environment()``
+    and the checkout's root."""
+    from preloaded import Preloaded
+    from tiny_runs import REPO, child_environment
+
+    servers = {}
+
+    def server(entry: str, *modules: str) -> Preloaded:
+        if (entry, modules) not in servers:
+            servers[entry, modules] = Preloaded(entry, child_environment(), cwd=REPO, preload=modules)
+        return servers[entry, modules]
+
+    yield server
+    for started in servers.values():
+        started.close()

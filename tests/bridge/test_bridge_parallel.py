@@ -5,9 +5,10 @@ Every layout starts from the same weights, a random Llama imported through AutoB
 tensor 2 x context 2 (context parallel's all-gather; tests/bridge/test_bridge.py runs its a2a) each
 equal one process of `nemo-anchor train` from those weights within 1e-5. Batches reach every rank in
 Megatron-LM's fixed packed shapes. Bridge's distributed optimizer (data parallel 2) equals that one
-process and resumes bit for bit, on two nodes (two torchrun launchers under their own hostnames
-sharing this filesystem) where ``unshare -u`` is permitted, on one node otherwise. Skipped where
-Megatron-Bridge is not installed.
+process and resumes bit for bit: saved on two nodes (two torchrun launchers under their own hostnames
+sharing this filesystem) where ``unshare -u`` is permitted, on one node otherwise, and resumed by the same
+two ranks on one node. The one-node runs fork their ranks from a process that imported Bridge once
+(tests/preloaded.py). Skipped where Megatron-Bridge is not installed.
 """
 import importlib.util
 import json
@@ -65,13 +66,16 @@ def run_config(tmp_path_factory):
     return config, root / "packed"
 
 
-def bridge_pretrain(config, save, *overrides, nproc=1, timeout=600):
-    # several ranks: as torchrun --standalone -m nemo_anchor.bridge.pretrain, forked (tests/forked_ranks.py)
-    launcher = [sys.executable, "-m", "nemo_anchor.bridge.pretrain"] if nproc == 1 else [
-        sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), "nemo_anchor.bridge.pretrain"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([*launcher, "--config", str(config), f"checkpoint.save={save}", f"checkpoint.load={save}",
-                          "--peak-tflops", "1", *overrides], env=env, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module")
+def pretrain_cli(preloaded):
+    """``python -m nemo_anchor.bridge.pretrain``, with Megatron-Bridge imported once (tests/preloaded.py)."""
+    return preloaded("nemo_anchor.bridge.pretrain:main", "nemo_anchor.bridge.pretrain")
+
+
+def bridge_pretrain(server, config, save, *overrides, nproc=1, timeout=600):
+    """Bridge's pretrain() from the command line; several ranks: as torchrun --standalone, forked."""
+    run = server.run(["--config", str(config), f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops",
+                      "1", *overrides], processes=nproc, timeout=timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {r["step"]: r["loss"] for r in map(json.loads, (Path(save) / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}
@@ -130,10 +134,11 @@ def test_fixed_shape_batches_carry_documents_and_windows(run_config):
     pytest.param(("model.tensor_model_parallel_size=2", "model.context_parallel_size=2",
                   "model.cp_comm_type=all_gather"), id="tensor2xcontext2"),
 ])
-def test_model_parallel_layout_equals_one_process(run_config, start_checkpoint, one_process, layout, tmp_path):
+def test_model_parallel_layout_equals_one_process(pretrain_cli, run_config, start_checkpoint, one_process, layout,
+                                                  tmp_path):
     nproc = 4 if len(layout) > 1 else 2
-    losses = bridge_pretrain(run_config[0], tmp_path / "run", f"checkpoint.pretrained_checkpoint={start_checkpoint}",
-                             *layout, nproc=nproc)
+    losses = bridge_pretrain(pretrain_cli, run_config[0], tmp_path / "run",
+                             f"checkpoint.pretrained_checkpoint={start_checkpoint}", *layout, nproc=nproc)
     assert sorted(losses) == [1, 2, 3] == sorted(one_process)
     for step in losses:
         assert losses[step] == pytest.approx(one_process[step], abs=1e-5), (step, losses, one_process)
@@ -143,10 +148,10 @@ DISTRIBUTED_OPTIMIZER = ("optimizer.use_distributed_optimizer=true", "ddp.use_di
 
 
 @pytest.fixture(scope="module")
-def data_parallel_2(run_config, start_checkpoint, tmp_path_factory):
+def data_parallel_2(pretrain_cli, run_config, start_checkpoint, tmp_path_factory):
     """3 steps on one node, two processes (data parallel 2) with Bridge's distributed optimizer."""
     save = tmp_path_factory.mktemp("data-parallel-2")
-    return bridge_pretrain(run_config[0], save, f"checkpoint.pretrained_checkpoint={start_checkpoint}",
+    return bridge_pretrain(pretrain_cli, run_config[0], save, f"checkpoint.pretrained_checkpoint={start_checkpoint}",
                            *DISTRIBUTED_OPTIMIZER, nproc=2)
 
 
@@ -184,20 +189,20 @@ def bridge_pretrain_on_two_nodes(config, save, *overrides, timeout=600):
             if "loss" in r}
 
 
-def test_distributed_optimizer_saves_sharded_and_resumes_exactly(run_config, start_checkpoint, data_parallel_2,
-                                                                 tmp_path):
-    """2 steps saved, then resumed to 3: on two nodes where `unshare -u` is permitted (one node otherwise)."""
+def test_distributed_optimizer_saves_sharded_and_resumes_exactly(pretrain_cli, run_config, start_checkpoint,
+                                                                 data_parallel_2, tmp_path):
+    """2 steps saved on two nodes where `unshare -u` is permitted (one node otherwise), then resumed to 3 by the
+    same two ranks requeued on one node."""
     from megatron.core import dist_checkpointing
-
-    def data_parallel_run(*overrides):
-        if can_unshare():
-            return bridge_pretrain_on_two_nodes(run_config[0], split, *overrides)
-        return bridge_pretrain(run_config[0], split, *overrides, nproc=2)
 
     split = tmp_path / "split"
     start = f"checkpoint.pretrained_checkpoint={start_checkpoint}"
-    data_parallel_run(start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2", "checkpoint.save_interval=2")
+    first = (start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2", "checkpoint.save_interval=2")
+    if can_unshare():
+        bridge_pretrain_on_two_nodes(run_config[0], split, *first)
+    else:
+        bridge_pretrain(pretrain_cli, run_config[0], split, *first, nproc=2)
     saved = dist_checkpointing.load_content_metadata(str(split / "iter_0000002"))
     assert saved["distrib_optim_sharding_type"] == "dp_reshardable"  # the optimizer state is sharded over ranks
-    resumed = data_parallel_run(start, *DISTRIBUTED_OPTIMIZER)
+    resumed = bridge_pretrain(pretrain_cli, run_config[0], split, start, *DISTRIBUTED_OPTIMIZER, nproc=2)
     assert resumed == data_parallel_2  # steps 1-2 from the first run's metrics, step 3 after the resume: bit for bit
