@@ -190,7 +190,10 @@ def test_checkpoint_and_init_from_hf_host_memory_match_the_plan(tmp_path):
     planned = checkpoint_peak(cfg, vocab, Layout(1), bf16=True, distributed_optimizer=True)
     written = sum(f.stat().st_size for f in (tmp_path / "run" / "checkpoints" / "iter_0000001").iterdir())
     assert abs(written - planned.save) <= 0.01 * planned.save, (written, planned)  # what the writer stages
-    slack = 16 << 20  # the interpreter's own allocations (metadata, pickles)
+    # the interpreter's own allocations (metadata, pickles), and 32 MiB more that one four-lane run of the suite
+    # measured on the load (101 MB; 67.5 MB alone and beside two busy loops): still far below a reader that held
+    # the model's fp32 weights (72 MB here) or its optimizer state beside the plan
+    slack = 48 << 20
     assert measured["save"] <= 0.25 * planned.save, (measured, planned)  # the trainer's process gathers nothing
     assert measured["load"] <= 1.15 * planned.load + slack, (measured, planned)
     assert measured["init_from_hf"] <= 1.15 * planned.init_from_hf + slack, (measured, planned)

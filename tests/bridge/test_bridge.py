@@ -1,13 +1,12 @@
 """AnchorAttention on Megatron-Bridge 0.6 (.venv-bridge): conversion through AutoBridge, Bridge's own
 pretrain() on packed windows against `nemo-anchor train`, resume, context parallel on 2 ranks.
 
-Skipped where Megatron-Bridge is not installed (the NeMo 2 environment).
+Bridge's command line (``python -m nemo_anchor.bridge.pretrain``) runs in processes forked from one that imported
+Megatron-Bridge once (tests/preloaded.py). Skipped where Megatron-Bridge is not installed (the NeMo 2 environment).
 """
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from nemo_anchor.cli import main as cli  # noqa: E402
 from nemo_anchor.compat import hf_rope  # noqa: E402
 from nemo_anchor.data import byte_tokenizer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
          "How vexingly quick daft zebras jump; " * 9, "a", "Waltz, bad nymph, for quick jigs vex. " * 12] * 6
 SHAPE = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2)
@@ -289,7 +287,7 @@ def test_a_second_run_into_the_same_checkpoint_save_is_refused(start, pretrain_c
     assert sorted(p.name for p in save.iterdir()) == []
 
 
-def test_group_sigterm_after_earlier_saves_saves_the_step_reached_and_exits_75(start, tmp_path):
+def test_group_sigterm_after_earlier_saves_saves_the_step_reached_and_exits_75(start, pretrain_cli, tmp_path):
     """Bridge's exit signal as Slurm and torchrun deliver it, to the whole process group, after scheduled saves:
     the run saves the step it reached and exits 75, as nemo-anchor train does."""
     import signal
@@ -297,12 +295,9 @@ def test_group_sigterm_after_earlier_saves_saves_the_step_reached_and_exits_75(s
 
     root, megatron, config = start
     save = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.Popen([sys.executable, "-m", "nemo_anchor.bridge.pretrain", "--config", str(config),
-                            f"checkpoint.pretrained_checkpoint={megatron}", f"checkpoint.save={save}",
-                            f"checkpoint.load={save}", "checkpoint.save_interval=2", "train.train_iters=400",
-                            "--peak-tflops", "1"],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    run = pretrain_cli.start(["--config", str(config), f"checkpoint.pretrained_checkpoint={megatron}",
+                              f"checkpoint.save={save}", f"checkpoint.load={save}", "checkpoint.save_interval=2",
+                              "train.train_iters=400", "--peak-tflops", "1"], merge_output=True)  # its own session
     metrics = save / "metrics.jsonl"
 
     def steps():

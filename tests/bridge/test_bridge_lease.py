@@ -4,14 +4,14 @@
   the other run;
 - ``run_guard.json`` describes the checkpoint a resume loads: a resume with an allowed change that dies
   before its first save leaves the record of the checkpoint it started from.
+
+Each run is a process of its own, forked from one that imported Megatron-Bridge once (tests/preloaded.py).
 """
 import importlib.util
 import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +23,6 @@ if importlib.util.find_spec("megatron.bridge") is None:  # checked before nemo_a
 from nemo_anchor.run_dir import LOCK_FILE  # noqa: E402
 from tiny_runs import pack_texts  # noqa: E402  tests/tiny_runs.py
 
-REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4] * 8
 
 
@@ -45,13 +44,16 @@ def config(tmp_path_factory):
     return path
 
 
-def _start(config, save, *args):
-    """``python -m nemo_anchor.bridge.pretrain`` in its own process group."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen([sys.executable, "-m", "nemo_anchor.bridge.pretrain", "--config", str(config),
-                             f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops", "1", *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+@pytest.fixture(scope="module")
+def pretrain_cli(preloaded):
+    """``python -m nemo_anchor.bridge.pretrain``, with Megatron-Bridge imported once (tests/preloaded.py)."""
+    return preloaded("nemo_anchor.bridge.pretrain:main", "nemo_anchor.bridge.pretrain")
+
+
+def _start(server, config, save, *args):
+    """``python -m nemo_anchor.bridge.pretrain`` started in its own process group, its stderr in its stdout."""
+    return server.start(["--config", str(config), f"checkpoint.save={save}", f"checkpoint.load={save}",
+                         "--peak-tflops", "1", *args], merge_output=True)
 
 
 def _wait_for_step(run, save: Path, step: int) -> None:
@@ -65,9 +67,9 @@ def _wait_for_step(run, save: Path, step: int) -> None:
     pytest.fail(f"the run ended before step {step}: {run.communicate()[0][-3000:]}")
 
 
-def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(config, tmp_path):
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(pretrain_cli, config, tmp_path):
     save = tmp_path / "run"
-    run = _start(config, save)  # 20000 steps of a few ms, saved at the end: still training when taken over
+    run = _start(pretrain_cli, config, save)  # 20000 steps of a few ms, saved at the end: still training when taken over
     try:
         _wait_for_step(run, save, 1)
         intruder = json.dumps({"host": socket.gethostname(), "pid": 1, "pid_started": 1.0, "token": "another run"})
@@ -82,15 +84,15 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(config, tmp
     assert not list(save.glob("iter_*")), sorted(p.name for p in save.iterdir())  # nothing saved after the takeover
 
 
-def test_run_guard_json_describes_the_checkpoint_a_resume_loads(config, tmp_path):
+def test_run_guard_json_describes_the_checkpoint_a_resume_loads(pretrain_cli, config, tmp_path):
     save = tmp_path / "run"
-    first = _start(config, save, "train.train_iters=2")
+    first = _start(pretrain_cli, config, save, "train.train_iters=2")
     out = first.communicate(timeout=600)[0]
     assert first.returncode == 0, out[-3000:]
     record = json.loads((save / "run_guard.json").read_text())
     assert record["config"]["optim"]["clip_grad"] == 1.0
     # a resume with an allowed change, killed (a node failure) after a step and before its first save
-    resumed = _start(config, save, "train.train_iters=20000", "optimizer.clip_grad=0.5",
+    resumed = _start(pretrain_cli, config, save, "train.train_iters=20000", "optimizer.clip_grad=0.5",
                      "--allow-change", "optim.clip_grad")
     try:
         _wait_for_step(resumed, save, 3)
