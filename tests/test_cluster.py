@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 
 from nemo_anchor.cli import main
 from nemo_anchor.run_dir import LOCK_FILE, RunDir, checkpoint_step
-from tiny_runs import child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
+from tiny_runs import child_environment, free_port, pack_texts, tiny_config  # tests/tiny_runs.py
 
 EXIT_PREEMPTED = 75
 LONG = 10_000  # the interrupted runs would go on for this many steps; the signal comes after step SIGNAL_AFTER
@@ -94,12 +93,6 @@ def _reference(setup, steps: int) -> dict[int, float]:
         length = max(steps, 3 * SIGNAL_AFTER)
         assert main(["train", "--config", str(config), f"output_dir={out}", f"trainer.max_steps={length}"]) == 0
     return {step: loss for step, loss in _losses(out).items() if step <= steps}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _wait_for_step(run, step: int, processes: list[subprocess.Popen]) -> None:
@@ -185,7 +178,7 @@ def test_two_nodes_train_save_on_sigusr1_and_resume(setup, tmp_path, launched):
     env = child_environment(EXIT_DIR=str(exits), GLOO_SOCKET_IFNAME="lo")
 
     def two_nodes(*overrides) -> list[subprocess.Popen]:
-        port = _free_port()
+        port = free_port()
         nodes = [subprocess.Popen(
             ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh",
              sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",

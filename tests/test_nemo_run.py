@@ -1,10 +1,10 @@
 """NeMo's own trainer and converters on the CPU, run as a NeMo user runs them: the ``nemo`` CLI and torchrun.
 
-Each run is a subprocess (NeMo takes about 20 s to import), shared through module fixtures:
+Each run is a process of its own (NeMo takes about 20 s to import), shared through module fixtures:
 
 - the issue's command (SmolLM2-135M's recipe, 2 layers, data packed with SmolLM2's tokenizer at
   512 tokens) for 6 steps, then 3 steps + a resume to 6 in another log directory;
-- the same command for 3 steps under torchrun with 2 processes, context parallel;
+- the same command for 3 steps on 2 ranks (torch's elastic agent, as torchrun), context parallel;
 - the same command on two simulated nodes (a torchrun each, in its own UTS namespace), 3 steps, data parallel;
 - a tiny HF Llama imported with ``llm.import_ckpt`` and trained 4 steps by NeMo and by ``nemo-anchor train``;
 - SmolLM2-135M through ``nemo llm import``, ``nemo llm export`` and ``nemo-anchor export-hf``.
@@ -19,9 +19,9 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,7 @@ import torch
 
 from nemo_anchor.cli import main as cli
 from nemo_anchor.data.corpus import stdlib_documents
+from tiny_runs import free_port  # tests/tiny_runs.py
 
 pytest.importorskip("nemo.collections.llm", reason="NeMo is not installed")
 
@@ -146,17 +147,28 @@ def test_two_nodes_train_like_one(straight, data, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "GLOO_SOCKET_IFNAME": "lo"}
 
     def two_nodes(max_steps: int) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
+        logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+        files = [log.open("w") for log in logs]
         nodes = [subprocess.Popen(
             ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh", sys.executable, "-m",
              "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
              "--master-addr", "127.0.0.1", "--master-port", str(port), str(NEMO_CLI), "llm", "pretrain", "--factory",
              RECIPE, "trainer.num_nodes=2", *_command(data, tmp_path, max_steps)],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-        outputs = [node.communicate(timeout=600)[0] for node in nodes]
-        assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+            env=env, cwd=REPO, stdout=files[rank], stderr=subprocess.STDOUT) for rank in (0, 1)]
+        for file in files:
+            file.close()
+        deadline = time.monotonic() + 600
+        # until both end; a node that failed leaves the other waiting for it for ever: stop it then
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline and \
+                not any(node.poll() for node in nodes):
+            time.sleep(1)
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+        outputs = [log.read_text()[-3000:] for log in logs]
+        assert [node.returncode for node in nodes] == [0, 0], outputs[0] + outputs[1]
 
     two_nodes(3)
     rows = _metrics(tmp_path)

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training.config import load_config
 from nemo_anchor.training.loop import Trainer
 from test_checkpoint_saver import cuda_stand_in  # noqa: F401 - a fixture
-from tiny_runs import child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
+from tiny_runs import child_environment, free_port, pack_texts, tiny_config  # tests/tiny_runs.py
 
 EXIT_PREEMPTED = 75
 MICROBATCHES = 4  # per step: global batch 4, micro-batch 1, one process
@@ -102,12 +101,6 @@ def _config(tmp_path, data, name: str, max_steps: int, processes: int = 1):
     return tiny_config(tmp_path / name, data, max_steps=max_steps, global_batch_size=MICROBATCHES * processes)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("processes", [1, 2], ids=["setsid", "torchrun"])
 def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_anything_back(processes, data, tmp_path,
@@ -121,7 +114,7 @@ def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_an
     script.write_text(_OBSERVED)
     launcher = [sys.executable] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
-        str(_free_port())]
+        str(free_port())]
     process = subprocess.Popen([*launcher, str(script), "--config", str(config), "checkpoint.save_every=3"],
                                env=child_environment(EVENTS=str(events)), start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,6 +1,8 @@
 """The smallest real training run, shared by the robustness tests: a 1-layer model on 64-token byte windows."""
 import json
 import os
+import random
+import socket
 from pathlib import Path
 
 import yaml
@@ -47,3 +49,22 @@ def child_environment(**variables) -> dict:
     launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     return {**{k: v for k, v in os.environ.items() if k not in launch}, "PYTHONWARNINGS": "ignore",
             "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **variables}
+
+
+def free_port() -> int:
+    """A free TCP port for a launcher's rendezvous, below the kernel's ephemeral range (``ip_local_port_range``).
+
+    Outgoing connections and ``bind(port 0)`` draw their ports from that range: a port found free there can be
+    taken by another process's connection (gloo, a TCP store) before the launcher binds it, and a two-node run
+    then hangs, one node waiting for a master that never started (seen in a four-lane run of the suite)."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.is_file() else 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free TCP port found below {low}")

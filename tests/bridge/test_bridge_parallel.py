@@ -13,7 +13,6 @@ two ranks on one node. The one-node runs fork their ranks from a process that im
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ import transformers  # noqa: E402
 from nemo_anchor.cli import main as cli  # noqa: E402
 from nemo_anchor.data import (PackedDataset, byte_tokenizer, collate_windows, fixed_shape_batch,  # noqa: E402
                               variable_shape_batch)
+from tiny_runs import free_port  # noqa: E402  tests/tiny_runs.py
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
@@ -38,12 +38,6 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with 
 # tiny, with heads divisible by tensor x context parallel sizes; the byte vocabulary padded for tensor 2
 SHAPE = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8, num_query_groups=4,
              vocab_size=512)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
