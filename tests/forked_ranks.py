@@ -7,12 +7,8 @@ torchrun drives, can fork its workers instead (``start_method="fork"`` of
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) as ``torchrun --standalone``, without the
 imports. The tests of torchrun itself (signals, two nodes, a rank's one-line error) still launch torchrun:
 tests/test_cluster.py, tests/test_stop_save.py, tests/test_robust_runs.py, tests/bridge/test_bridge_signals.py.
-
-    python tests/forked_ranks.py N MODULE ARGS...   # as torchrun --standalone --nproc_per_node N -m MODULE ARGS...
-                                                    # for a MODULE whose main(argv) is its command line
+A command line's ranks: ``Preloaded.run(args, processes=N)`` (tests/preloaded.py).
 """
-import importlib
-import sys
 import uuid
 from collections.abc import Callable
 
@@ -26,8 +22,3 @@ def run_ranks(processes: int, entrypoint: Callable, *args) -> None:
                           max_restarts=0, start_method="fork", monitor_interval=0.5)
     elastic_launch(config, entrypoint)(*args)
 
-
-# Megatron's checkpoint writers start a spawn-context Manager that re-imports the main module: this one imports the
-# command's module only here
-if __name__ == "__main__":
-    run_ranks(int(sys.argv[1]), importlib.import_module(sys.argv[2]).main, sys.argv[3:])

@@ -124,12 +124,6 @@ def start(tmp_path_factory):
     return root, megatron, config
 
 
-@pytest.fixture(scope="module")
-def pretrain_cli(preloaded):
-    """``python -m nemo_anchor.bridge.pretrain``, with Megatron-Bridge imported once (tests/preloaded.py)."""
-    return preloaded("nemo_anchor.bridge.pretrain:main", "nemo_anchor.bridge.pretrain")
-
-
 def bridge_pretrain(server, config, megatron, save, *overrides, nproc=1):
     """Bridge's pretrain() from the command line; several ranks: as torchrun --standalone, forked."""
     run = server.run(["--config", str(config), f"checkpoint.pretrained_checkpoint={megatron}",

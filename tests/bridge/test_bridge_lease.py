@@ -44,12 +44,6 @@ def config(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def pretrain_cli(preloaded):
-    """``python -m nemo_anchor.bridge.pretrain``, with Megatron-Bridge imported once (tests/preloaded.py)."""
-    return preloaded("nemo_anchor.bridge.pretrain:main", "nemo_anchor.bridge.pretrain")
-
-
 def _start(server, config, save, *args):
     """``python -m nemo_anchor.bridge.pretrain`` started in its own process group, its stderr in its stdout."""
     return server.start(["--config", str(config), f"checkpoint.save={save}", f"checkpoint.load={save}",

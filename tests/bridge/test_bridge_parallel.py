@@ -60,12 +60,6 @@ def run_config(tmp_path_factory):
     return config, root / "packed"
 
 
-@pytest.fixture(scope="module")
-def pretrain_cli(preloaded):
-    """``python -m nemo_anchor.bridge.pretrain``, with Megatron-Bridge imported once (tests/preloaded.py)."""
-    return preloaded("nemo_anchor.bridge.pretrain:main", "nemo_anchor.bridge.pretrain")
-
-
 def bridge_pretrain(server, config, save, *overrides, nproc=1, timeout=600):
     """Bridge's pretrain() from the command line; several ranks: as torchrun --standalone, forked."""
     run = server.run(["--config", str(config), f"checkpoint.save={save}", f"checkpoint.load={save}", "--peak-tflops",
