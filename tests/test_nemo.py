@@ -134,8 +134,8 @@ def test_nemos_own_packed_sequence_batch_is_refused_by_our_data_step(llm, tmp_pa
                                   prompt_template="{input} {output}", label_key="output", truncation_field="input")
     batch = dataset.collate_fn([dataset[0]])
     assert batch["cu_seqlens"][0, :int(batch["cu_seqlens_argmin"])].tolist() == [0, 8, 23, 37, 48]  # padded to 16s
-    with pytest.raises(ValueError, match=r"NeMo's packed-sequence batch \(GPTSFTPackedDataset.*AnchorPackedDataModule"
-                       ) as error:
+    refusal = r"a packed fine-tuning batch \(NeMo's or Megatron-Bridge's GPTSFTPackedDataset.*AnchorPackedDataModule"
+    with pytest.raises(ValueError, match=refusal) as error:
         tiny(AnchorLlamaConfig).data_step_fn(iter([batch]))
     assert "\n" not in str(error.value)
 
