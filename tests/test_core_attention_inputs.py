@@ -88,7 +88,8 @@ def test_sbhd_rows_are_windows_of_one_document(cores, mask):
 
 def test_megatron_lm_packed_micro_batch_through_gpt_model_reads_its_boundaries_once(monkeypatch):
     """A real GPTModel forward (our layer spec, 3 layers) on Megatron-LM's THD micro-batch: every layer's core
-    attention computes AnchorAttention over the pack, and the boundaries go to the host once per micro-batch."""
+    attention computes AnchorAttention over the pack, and reads the boundaries to the host once per micro-batch
+    for all layers (the unfused RoPE of plain params still reads them in every layer, as Megatron's does)."""
     reads = []
 
     def counting(*args):
