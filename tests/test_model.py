@@ -257,8 +257,10 @@ def test_layout_is_read_once_per_micro_batch_and_shared_by_every_layer(monkeypat
         assert all(layout is params.layout for layout in seen_layouts[-6:])
 
 
-def test_plain_packed_seq_params_make_every_segment_its_own_window():
-    """NeMo's own packed path passes Megatron's PackedSeqParams: each cu_seqlens segment is a sequence."""
+def test_plain_packed_seq_params_are_one_window_with_rope_restarting_at_every_document():
+    """Megatron's own PackedSeqParams (one cu_seqlens segment per document, as Megatron-LM's THD training builds
+    them) mean: the pack is one window whose first token is the anchor, and RoPE restarts at every document,
+    as Megatron applies it; our parameters say the same with the documents as RoPE segments."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     model = _model(_cfg())
@@ -266,10 +268,10 @@ def test_plain_packed_seq_params_make_every_segment_its_own_window():
     segments = batch["cu_seqlens"]
     plain = PackedSeqParams(qkv_format="thd", cu_seqlens_q=segments, cu_seqlens_kv=segments, max_seqlen_q=20,
                             max_seqlen_kv=20)
+    ours = make_packed_seq_params(segments, batch["cu_windows"], "intra_doc_reset")  # the model's mask: anchor
     inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
                   labels=batch["labels"])
-    torch.testing.assert_close(model(**inputs, packed_seq_params=plain),
-                               model(**inputs, packed_seq_params=make_packed_seq_params(segments, segments, "anchor")))
+    torch.testing.assert_close(model(**inputs, packed_seq_params=plain), model(**inputs, packed_seq_params=ours))
 
 
 @pytest.mark.parametrize("variant", [{}, {"rope_in_fp32": True},

@@ -117,6 +117,29 @@ def test_packed_batch_trains_through_nemo_steps_with_the_anchor_mask(nemo_run_di
     assert all(g is not None and torch.isfinite(g).all() for g in grads) and sum(g.abs().sum() for g in grads) > 0
 
 
+def test_nemos_own_packed_sequence_batch_is_refused_by_our_data_step(llm, tmp_path):
+    """NeMo's packed fine-tuning data (GPTSFTPackedDataset, collated by NeMo itself) marks sequences, not windows
+    that begin with their anchor: our configs' data step refuses it in one line, naming it."""
+    import types
+
+    import numpy as np
+    from nemo.collections.llm.gpt.data.core import GPTSFTPackedDataset
+
+    from nemo_anchor.nemo.config import AnchorLlamaConfig
+
+    packs = [{"input_ids": list(range(1, 41)), "loss_mask": [1] * 40, "seq_start_id": [0, 9, 25]}]
+    np.save(tmp_path / "training.npy", np.array(packs, dtype=object))
+    # the prompt fields only satisfy the constructor's checks of unpacked data; packed data is used as it is
+    dataset = GPTSFTPackedDataset(str(tmp_path / "training.npy"), types.SimpleNamespace(eos_id=0), max_seq_length=SEQ,
+                                  prompt_template="{input} {output}", label_key="output", truncation_field="input")
+    batch = dataset.collate_fn([dataset[0]])
+    assert batch["cu_seqlens"][0, :int(batch["cu_seqlens_argmin"])].tolist() == [0, 8, 23, 37, 48]  # padded to 16s
+    refusal = r"a packed fine-tuning batch \(NeMo's or Megatron-Bridge's GPTSFTPackedDataset.*AnchorPackedDataModule"
+    with pytest.raises(ValueError, match=refusal) as error:
+        tiny(AnchorLlamaConfig).data_step_fn(iter([batch]))
+    assert "\n" not in str(error.value)
+
+
 def test_nemo2_checkpoint_exports_to_transformers(nemo_run_dir):
     import transformers
 

@@ -32,7 +32,10 @@ class AnchorCoreAttention(MegatronModule):
 
     Layouts: sbhd ``q [s, b, np, hn]``, ``k/v [s, b, ng, hn]`` -> ``[s, b, np*hn]`` (each batch row
     is one window holding one document, so every mask is plain causal attention there); thd
-    ``q [t, np, hn]``, ``k/v [t, ng, hn]`` -> ``[t, np*hn]``. Grouped-query heads are not expanded.
+    ``q [t, np, hn]``, ``k/v [t, ng, hn]`` -> ``[t, np*hn]``, one pack (batch size 1) whose documents
+    and windows :func:`~nemo_anchor.model.packed_seq.packed_layout` reads from ``packed_seq_params``:
+    ours carry both; Megatron's plain ones documents only, and the pack is then one window whose
+    first token is the anchor. Grouped-query heads are not expanded.
     """
 
     def __init__(
@@ -84,16 +87,18 @@ class AnchorCoreAttention(MegatronModule):
         if attn_mask_type is not None and attn_mask_type not in _CAUSAL_MASK_TYPES:
             raise ValueError(f"AnchorCoreAttention needs a causal attn_mask_type, got {attn_mask_type}")
 
+        cp = self.pg_collection.cp
+        cp_size = cp.size() if cp is not None else 1
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if packed:
-            out = self._attend(query, key, value, packed_layout(packed_seq_params))
+        if packed:  # boundaries describe the whole pack: each rank holds t = pack / cp tokens
+            layout = packed_layout(packed_seq_params, query.shape[0] * cp_size, self.mask, cp_size)
+            out = self._attend(query, key, value, layout)
             return out.reshape(out.size(0), -1)
 
         s, b = query.shape[:2]
         flat = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
-        # boundaries describe the whole (unsharded) sequences: each rank holds s = window / cp tokens
-        cp = self.pg_collection.cp
-        window = s * (cp.size() if cp is not None else 1)
+        # each batch row is one window holding one document; each rank holds s = window / cp tokens of it
+        window = s * cp_size
         bounds = tuple(range(0, (b + 1) * window, window))
         out = self._attend(*flat, PackLayout.of(bounds, bounds))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()

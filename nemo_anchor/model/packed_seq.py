@@ -7,9 +7,13 @@ which keys each token may see. ``make_packed_seq_params`` carries those boundari
 :class:`~nemo_anchor.attention.layout.PackLayout` (``layout``), built on the host from the batch's
 host copy of the boundaries (``batch_for_this_rank``), and each token's rotary position
 (``rope_positions``, applied by :class:`~nemo_anchor.model.rope.AnchorSelfAttention`): every layer of
-the micro-batch reuses them, with no host sync in the forward. Plain ``PackedSeqParams``
-(e.g. from NeMo's own packed path) still work: every segment is then its own document and window,
-read in each layer.
+the micro-batch reuses them, with no host sync in the forward.
+
+Megatron's plain ``PackedSeqParams`` (what Megatron-LM's THD training and NeMo's and Bridge's default
+data steps build, for a user who plugs our layer spec into them) carry documents only: one
+``cu_seqlens_q`` segment per document (``cu_seqlens_q_padded`` where the documents are padded) over the
+micro-batch's THD pack. The pack is then one window whose first token is the anchor (see
+:func:`packed_layout`), and RoPE restarts at every document, as Megatron applies it.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from nemo_anchor.attention.layout import PackLayout, pack_layout
+from nemo_anchor.attention.layout import PackLayout, boundaries, pack_layout
 from nemo_anchor.attention.paradigms import get_attention_type
 from nemo_anchor.model.rope import rope_positions
 
@@ -31,16 +35,51 @@ class AnchorPackedSeqParams(PackedSeqParams):
     rope_positions: torch.Tensor = None  # int64 [t], each local token's position in its RoPE segment
 
 
-def packed_layout(params: PackedSeqParams) -> PackLayout:
-    """The pack's documents and windows as the core attention should see them."""
-    layout = getattr(params, "layout", None)
-    if layout is not None:
-        return layout
-    docs = getattr(params, "cu_seqlens_doc", None)
-    windows = getattr(params, "cu_seqlens_window", None)
-    if docs is None:
-        docs = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    return pack_layout(docs, docs if windows is None else windows)
+def packed_layout(params: PackedSeqParams, tokens: int, mask: str, cp_size: int = 1) -> PackLayout:
+    """The documents and windows of the THD pack of ``tokens`` tokens (all context-parallel ranks'
+    together) that ``params`` describe, as the core attention under ``mask`` sees them.
+
+    - :class:`AnchorPackedSeqParams`: their ``layout`` (else ``cu_seqlens_doc`` / ``cu_seqlens_window``).
+    - Megatron's plain ``PackedSeqParams``: the documents are the segments of ``cu_seqlens_q_padded``
+      (where the tokens lie), else of ``cu_seqlens_q``; the pack is one window and its first token
+      the anchor. Tokens after the last boundary (Megatron's ``total_tokens`` beyond the sequences)
+      are one more document, padding. Read to the host once and kept on ``params``, so the other
+      layers of the micro-batch reuse it.
+
+    Raises:
+        ValueError: malformed boundaries; and plain params under context parallelism for any mask
+            but ``intra_doc``: Megatron's THD split gives each rank chunks r and 2cp-1-r of every
+            *document*, while our context-parallel attention takes windows cut that way, so each
+            document would be its own window and the anchor (or, ``full``, the other documents) lost.
+    """
+    if isinstance(params, AnchorPackedSeqParams):
+        if params.layout is not None:
+            return params.layout
+        return pack_layout(params.cu_seqlens_doc, params.cu_seqlens_window, tokens)
+    if cp_size > 1 and mask != "intra_doc":
+        raise ValueError(
+            f"the {mask} mask under context parallelism (cp={cp_size}) needs each window's boundaries, and "
+            f"Megatron's plain PackedSeqParams carry only documents, split across the ranks one by one: build "
+            f"the parameters with nemo_anchor.model.packed_seq.make_packed_seq_params (cu_seqlens_doc, "
+            f"cu_seqlens_window), as the data steps of nemo-anchor train, NeMo and Bridge do, or use the "
+            f"intra_doc mask")
+    padded = params.cu_seqlens_q_padded is not None
+    documents = params.cu_seqlens_q_padded if padded else params.cu_seqlens_q
+    # kept with the tensor it was read from and that tensor's version: a new or rewritten tensor is read again
+    read_from = (documents._version if isinstance(documents, torch.Tensor) else None, tokens, cp_size > 1)
+    kept = getattr(params, "_nemo_anchor_layout", None)
+    if kept is not None and kept[0] is documents and kept[1] == read_from:
+        return kept[2]
+    name = "cu_seqlens_q_padded" if padded else "cu_seqlens_q"
+    bounds = boundaries(documents, None, f"PackedSeqParams.{name}")
+    if bounds[-1] > tokens:
+        raise ValueError(f"PackedSeqParams.{name} ends at {bounds[-1]}, beyond the {tokens} tokens of the pack")
+    if bounds[-1] < tokens:
+        bounds += (tokens,)
+    # under context parallelism (intra_doc only) each document is one window: the unit Megatron split
+    layout = PackLayout.of(bounds, bounds if cp_size > 1 else None)
+    params._nemo_anchor_layout = (documents, read_from, layout)
+    return layout
 
 
 def make_packed_seq_params(

@@ -39,11 +39,17 @@ def anchor_data_step(dataloader_iter, attention_type: str = "anchor") -> dict[st
     context-parallel split ignores document boundaries, so packed windows take this path. The
     configs bind ``attention_type``, which decides how windows are cut across ranks. Batches in
     Megatron-LM's fixed shapes (:func:`nemo_anchor.data.fixed_shape_batch`: padded ``cu_seqlens``,
-    ``cu_seqlens_argmin``) are turned back on the host first.
+    ``cu_seqlens_argmin``) are turned back on the host first. NeMo's and Bridge's packed fine-tuning batches
+    are refused.
     """
     batch = next(dataloader_iter)
     if isinstance(batch, tuple):  # (batch, batch_idx, dataloader_idx) from Lightning's fetcher
         batch = batch[0]
+    if "cu_seqlens_unpadded" in batch:
+        raise ValueError("batch is a packed fine-tuning batch (NeMo's or Megatron-Bridge's GPTSFTPackedDataset: "
+                         "cu_seqlens_unpadded), whose cu_seqlens mark sequences, not windows that begin with their "
+                         "anchor: feed batches of nemo-anchor pack output (AnchorPackedDataModule, Bridge's "
+                         "dataset.path)")
     batch = variable_shape_batch(batch)
     missing = [k for k in _BATCH_KEYS if k not in batch]
     if missing:
