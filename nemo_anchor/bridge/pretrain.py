@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     except launch.CudaExpected as error:  # a GPU job that sees no GPU: one line, before anything is written
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     allow_change = [key for value in args.allow_change for key in value.split(",") if key]
-    with run_guard.claimed(config) as guard:  # nemo-anchor train's lock, resume comparison, tokenizer check, exit status
+    with run_guard.claimed(config) as guard:  # the lock, resume comparison, tokenizer check, exit status
         prepare(config)
         with run_guard.checked(config, allow_change, guard) as guards:
             _pretrain(config, [MetricsCallback(args.peak_tflops), *guards])
