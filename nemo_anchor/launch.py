@@ -45,6 +45,16 @@ FUSIONS = ("bias_activation_fusion", "cross_entropy_loss_fusion", "persist_layer
 DECIDED_AT_LAUNCH = (*FUSIONS, "use_cpu_initialization")
 
 
+def global_rank() -> int:
+    """This process's global rank before ``torch.distributed`` starts: torchrun's ``RANK``, else Slurm's
+    ``SLURM_PROCID`` (``srun`` without torchrun, where every task would otherwise be rank 0), else 0."""
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def uses_yarn(config) -> bool:
     """Whether a model config (ours, Megatron's, NeMo's or Bridge's) describes YaRN RoPE."""
     return (getattr(config, "position_embedding_type", None) == "yarn" or getattr(config, "rope_scaling", None) == "yarn"

@@ -7,7 +7,12 @@
   its timeout;
 - malformed fields (a pid "abc" or null) are named in one line, file and field, never a traceback;
 - a run whose renewals keep failing, for whatever reason, gives its lease up and says so;
-- a bad ``NEMO_ANCHOR_LEASE_*`` setting is refused before the output folder is made.
+- a bad ``NEMO_ANCHOR_LEASE_*`` setting is refused before the output folder is made;
+- fenced: a run whose lease another run took over changes nothing in the folder (publish, clean-up of a failed
+  fresh run) and says so; an unreadable lease is not held;
+- the rules are as strong as the lease: ``.break`` is never broken before the lease could be, a requeue is only
+  Slurm's own job id with a higher restart count (never torchrun's user-chosen id), and a fresh run signalled
+  before its stop handler is installed exits 75 leaving no folder.
 """
 import json
 import os
@@ -16,13 +21,15 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from nemo_anchor import run_dir
-from nemo_anchor.run_dir import LOCK_FILE, RunDirInUse, RunLease
-from tiny_runs import pack_texts, train_tiny
+from nemo_anchor import run_lease
+from nemo_anchor.run_dir import LOCK_FILE, RunDir
+from nemo_anchor.run_lease import RunClaim, RunDirInUse, RunLease
+from tiny_runs import pack_texts, tiny_config, train_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 UNSHARE = shutil.which("unshare")
@@ -34,7 +41,7 @@ def _unshare_permitted() -> bool:
 
 
 # takes the lease as node0 (a UTS namespace), renewing it often, and holds it until stdin closes
-_HOLD = ("import json, sys\nfrom nemo_anchor.run_dir import RunLease\n"
+_HOLD = ("import json, sys\nfrom nemo_anchor.run_lease import RunLease\n"
          "lease = RunLease(sys.argv[1]); lease.acquire(); lease.start_renewing()\n"
          "print(json.dumps(lease.record), flush=True); sys.stdin.read()\n"
          "print('lost' if lease.lost.is_set() else 'held', flush=True); lease.release()\n")
@@ -97,7 +104,6 @@ def test_a_live_lease_from_a_host_whose_clock_is_behind_is_refused(tmp_path):
 def test_a_lease_renewed_in_the_future_is_judged_by_its_timeout(tmp_path, capsys):
     """node9's clock was a day ahead when it last renewed, then node9 died: its lease is taken over once it stayed
     unchanged for its timeout, with one line naming the field."""
-    import time
 
     lock = tmp_path / LOCK_FILE
     lock.write_text(json.dumps(_other_host_lease(renewed=time.time() + 86400)))
@@ -138,7 +144,7 @@ def test_a_run_whose_renewals_keep_failing_gives_its_lease_up_and_says_so(tmp_pa
         def dumps(*args, **kwargs):
             raise RuntimeError("can't start new thread")
 
-        monkeypatch.setattr(run_dir, "json", types.SimpleNamespace(dumps=dumps, loads=json.loads, dump=json.dump))
+        monkeypatch.setattr(run_lease, "json", types.SimpleNamespace(dumps=dumps, loads=json.loads, dump=json.dump))
         said = "renewing it failed: RuntimeError: can't start new thread"
     lease.start_renewing()
     assert lease.lost.wait(timeout=60)
@@ -159,3 +165,144 @@ def test_a_bad_lease_setting_is_refused_before_the_output_folder_is_made(tmp_pat
     lines = [line for line in err.splitlines() if line.startswith("nemo-anchor train: error: ")]
     assert len(lines) == 1 and variable in lines[0], err
     assert not (tmp_path / "run").exists()
+
+
+def _another_runs_lease() -> str:
+    return json.dumps({"host": socket.gethostname(), "pid": 1, "pid_started": 1.0, "token": "another run"})
+
+
+def test_a_fresh_run_whose_lease_was_taken_over_leaves_the_new_owners_folder_alone(tmp_path, capsys):
+    """A fresh run paused past its lease timeout: another run took the folder over and wrote into it; the paused run
+    then fails. Its clean-up reads the lease file, not what it last knew, and removes nothing."""
+    run = RunDir(tmp_path / "run")
+    claim = RunClaim(run)  # renewed every 30 s: the takeover is not seen by a renewal before the clean-up
+    (run.root / "config.yaml").write_text("the new owner's")
+    run.lock.write_text(_another_runs_lease())
+    claim.release(failed=True)
+    assert (run.root / "config.yaml").read_text() == "the new owner's" and run.lock.read_text() == _another_runs_lease()
+    err = capsys.readouterr().err
+    assert f"output_dir {run.root}: this run does not remove the folder it made: it does not hold its lease (taken " \
+           f"over by host {socket.gethostname()}, pid 1)" in err, err
+
+
+def test_the_fence_reads_the_lease_before_each_change_and_says_why_not(tmp_path, capsys):
+    run = RunDir(tmp_path / "run")
+    claim = RunClaim(run)
+    try:
+        assert claim.fence("publish iter_0000010")
+        run.lock.write_text(_another_runs_lease())
+        assert not claim.fence("publish iter_0000012") and not claim.fence("evict iter_0000002")
+        lines = [line for line in capsys.readouterr().err.splitlines() if "this run does not" in line]
+        assert [line.split(": this run does not ")[1].split(":")[0] for line in lines] == \
+            ["publish iter_0000012", "evict iter_0000002"], lines
+    finally:
+        claim.release(failed=False)
+    assert run.lock.read_text() == _another_runs_lease()  # never written again, nor removed
+
+
+def test_an_unreadable_lease_is_not_held_until_it_reads_again(tmp_path, capsys):
+    """A file system error reading the lease: no write is fenced through on it (held() is False), but the lease is
+    not lost yet: the renewals give it up if it lasts."""
+    lease = RunLease(tmp_path / LOCK_FILE, renew_s=30, timeout_s=300)
+    lease.acquire()
+    saved = lease.path.read_bytes()
+    lease.path.unlink()
+    lease.path.mkdir()  # reading it fails: IsADirectoryError, an OSError as an NFS stall's EIO
+    assert not lease.held()
+    assert "cannot be read" in lease.check() and not lease.lost.is_set()
+    lease.path.rmdir()
+    lease.path.write_bytes(saved)
+    assert lease.held()
+    lease.release()
+    assert not lease.path.exists()
+
+
+class _Clock:
+    """This host's monotonic clock, moved by the test."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_break_lock_is_not_broken_before_the_lease_could_be(tmp_path, monkeypatch):
+    """Another run holds ``.break`` (it judges the lease, or it died in there): the holder skips its renewals until
+    ``.break`` stayed unchanged for the lease's timeout, so a renewer paused inside ``.break`` cannot have it taken
+    away, and then write over its successor's lease, before its lease could be taken over."""
+    import types
+
+    clock = _Clock()
+    monkeypatch.setattr(run_lease, "time", types.SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep,
+                                                                  time=time.time, strftime=time.strftime))
+    lease = RunLease(tmp_path / LOCK_FILE, renew_s=30, timeout_s=300)
+    lease.acquire()
+    breaking = lease.break_path
+    breaking.write_text(json.dumps({"host": "node9", "pid": 4242, "token": "node9's"}))
+    assert lease.renew()  # skipped: another run holds .break
+    clock.now += 250  # far beyond any few seconds, within the lease's timeout
+    assert lease.renew()
+    assert json.loads(breaking.read_text())["token"] == "node9's"
+    assert json.loads(lease.path.read_text())["renewals"] == 0
+    clock.now += 60  # unchanged for longer than the lease's timeout: left by a run that died holding it
+    assert lease.renew()
+    assert json.loads(lease.path.read_text())["renewals"] == 1 and not breaking.exists()
+    lease.release()
+
+
+@pytest.mark.parametrize("holder, mine, taken_at_once", [
+    ({"job": "slurm 41"}, {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "1"}, True),  # Slurm requeued job 41
+    ({"job": "slurm 41", "restart": 2}, {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "1"}, False),  # lower
+    ({"job": "slurm 41", "restart": 2}, {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}, False),  # equal
+    ({"job": "torchelastic r9", "restart": 0}, {"TORCHELASTIC_RUN_ID": "r9", "TORCHELASTIC_RESTART_COUNT": "1"},
+     False),  # a user-chosen --rdzv-id, reused by another launch
+], ids=["slurm-requeue", "slurm-lower-count", "slurm-same-count", "torchelastic-id-reused"])
+def test_only_slurms_own_job_id_with_a_higher_restart_count_is_a_requeue(tmp_path, monkeypatch, holder, mine,
+                                                                         taken_at_once):
+    """A lease from node9 (not renewed: watched for its 0.3 s timeout here, as a dead holder's would be)."""
+    for name in JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in mine.items():
+        monkeypatch.setenv(name, value)
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(json.dumps(_other_host_lease(renewed=time.time(), timeout_s=0.3, **holder)))
+    lease = RunLease(lock, renew_s=0.1, timeout_s=0.5)
+    lease.acquire()
+    if taken_at_once:
+        assert "its job slurm 41 was requeued (restart 0 -> 1)" in lease.took_over
+    else:  # judged by its renewals: a live run of the same id renews and is refused
+        assert "was requeued" not in lease.took_over and "not renewed while this run watched it" in lease.took_over
+    assert json.loads(lock.read_text())["job"] == f"{'slurm 41' if 'SLURM_JOB_ID' in mine else 'torchelastic r9'}"
+    lease.release()
+
+
+# a fresh nemo-anchor train whose lease is taken, then at once SIGTERM: before the trainer's stop handler is in
+_SIGNALLED_AFTER_THE_LEASE = """import os, signal, sys
+from nemo_anchor.cli import main
+from nemo_anchor.training import loop
+
+class SignalledAfterTheLease(loop.RunClaim):
+    def __init__(self, run):
+        super().__init__(run)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+loop.RunClaim = SignalledAfterTheLease
+sys.exit(main(["train", "--config", sys.argv[1]]))
+"""
+
+
+def test_a_fresh_run_signalled_right_after_taking_its_lease_exits_75_and_leaves_no_folder(tmp_path):
+    from nemo_anchor.training.preemption import EXIT_INTERRUPTED
+    from tiny_runs import child_environment
+
+    data = pack_texts(tmp_path)
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", _SIGNALLED_AFTER_THE_LEASE, str(tiny_config(run, data))],
+                          env=child_environment(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == EXIT_INTERRUPTED, done.stderr[-3000:]
+    assert "stop requested (SIGTERM) before the first step: nothing saved" in done.stdout, done.stdout[-3000:]
+    assert not run.exists(), sorted(p.name for p in run.iterdir())

@@ -444,7 +444,8 @@ def test_a_refused_run_writes_nothing_into_the_holders_log_directory(llm, tmp_pa
     from nemo import lightning as nl
 
     from nemo_anchor.nemo.run_guard import AnchorNeMoLogger
-    from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse
+    from nemo_anchor.run_dir import RunDir
+    from nemo_anchor.run_lease import RunClaim, RunDirInUse
 
     held = tmp_path / "runs" / "anchor"
     holder = RunClaim(RunDir(held))

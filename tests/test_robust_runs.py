@@ -26,7 +26,8 @@ import yaml
 
 from nemo_anchor.atomic import process_start_time
 from nemo_anchor.cli import main
-from nemo_anchor.run_dir import LOCK_FILE, RunDir, RunDirInUse, RunLease
+from nemo_anchor.run_dir import LOCK_FILE, RunDir
+from nemo_anchor.run_lease import RunDirInUse, RunLease
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [f"Document number {i} says: " + "the quick brown fox jumps over the lazy dog. " * (1 + i % 5)
@@ -131,7 +132,7 @@ def test_runs_racing_for_a_stale_lock_get_it_once(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
     # each racer waits for the same moment, tries, says how it went; the winner holds the lock until stdin closes
-    script = ("import sys, time\nfrom nemo_anchor.run_dir import RunLease, RunDirInUse\n"
+    script = ("import sys, time\nfrom nemo_anchor.run_lease import RunLease, RunDirInUse\n"
               "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
               "try:\n    RunLease(sys.argv[1]).acquire(); print('won', flush=True); sys.stdin.read()\n"
               "except RunDirInUse:\n    print('refused', flush=True)\n")
@@ -213,7 +214,7 @@ needs_unshare = pytest.mark.skipif(not _unshare_permitted(), reason="another hos
 FAST_LEASE = {"NEMO_ANCHOR_LEASE_RENEW_S": "0.2", "NEMO_ANCHOR_LEASE_TIMEOUT_S": "60"}
 
 # holds the lease from another host until stdin closes: prints its record once it holds it
-_HOLD = ("import json, sys\nfrom nemo_anchor.run_dir import RunLease\n"
+_HOLD = ("import json, sys\nfrom nemo_anchor.run_lease import RunLease\n"
          "lease = RunLease(sys.argv[1]); lease.acquire(); lease.start_renewing()\n"
          "print(json.dumps(lease.record), flush=True); sys.stdin.read(); lease.release()\n")
 
@@ -256,9 +257,7 @@ def test_lease_of_a_live_run_on_another_host_is_refused_naming_host_pid_and_job(
 @needs_unshare
 @pytest.mark.parametrize("variables, mine", [
     ({"SLURM_JOB_ID": "41"}, {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "1"}),  # Slurm requeued job 41
-    ({"TORCHELASTIC_RUN_ID": "r9", "TORCHELASTIC_RESTART_COUNT": "0"},
-     {"TORCHELASTIC_RUN_ID": "r9", "TORCHELASTIC_RESTART_COUNT": "1"}),  # torchrun restarted the workers
-])
+])  # torchrun's TORCHELASTIC_RUN_ID is a user's choice, never a requeue: tests/test_lease_rules.py
 def test_requeued_job_takes_its_fresh_lease_over_at_once(tmp_path, other_host, monkeypatch, variables, mine):
     _, record = other_host(**variables)
     for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):

@@ -8,7 +8,8 @@
   ``training/setup.py:239``; the checkpoint writer's result queue; data loader workers) and during each
   save (the writer's processes) start with the stop signals blocked, so that a signal to the whole
   process group (Slurm, Kubernetes, torchrun) leaves them alive for the exit-signal save:
-  :func:`stopping_as_every_door` holds the signals until training starts (:class:`SignalsHeldUntilTraining`),
+  :func:`stopping_as_every_door` holds the signals (held already from before the lock was taken,
+  :func:`nemo_anchor.bridge.run_guard.claimed`) until training starts (:class:`SignalsHeldUntilTraining`),
   and :class:`AnchorCheckpointManager` (Bridge's ``checkpoint.custom_manager_class``) saves with them deferred.
 - A resume of the distributed optimizer over torch's Adam (no Apex or TE Adam) is exact:
   :class:`AnchorCheckpointManager` loads through :mod:`nemo_anchor.training.optimizer_state`, as the other doors.
@@ -25,7 +26,7 @@ from megatron.bridge.training.checkpointing import DefaultCheckpointManager
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, all_gather_item
 
 from nemo_anchor.training import optimizer_state
-from nemo_anchor.training.preemption import StopRequest, signals_deferred
+from nemo_anchor.training.preemption import StopRequest, hold_stop_signals, release_stop_signals, signals_deferred
 
 
 class StopSignalHandler(DistributedSignalHandler):
@@ -86,14 +87,12 @@ MANAGER = f"{AnchorCheckpointManager.__module__}.{AnchorCheckpointManager.__qual
 
 
 class SignalsHeldUntilTraining(Callback):
-    """Ends the block of the stop signals that :func:`stopping_as_every_door` starts, when training starts
-    (a signal held meanwhile then arrives: the run stops at its first step boundary, after a save)."""
-
-    def __init__(self, held: contextlib.ExitStack):
-        self.held = held
+    """Ends the block of the stop signals (:func:`~nemo_anchor.training.preemption.hold_stop_signals`) when training
+    starts, Bridge's handler installed (a signal held meanwhile then arrives: the run stops at its first step
+    boundary, after a save)."""
 
     def on_train_start(self, context: CallbackContext) -> None:
-        self.held.close()
+        release_stop_signals()
 
 
 @contextlib.contextmanager
@@ -108,10 +107,9 @@ def stopping_as_every_door(config) -> Iterator[Callback]:
         config.checkpoint.custom_manager_class = MANAGER
     bridge_handler = bridge_state.DistributedSignalHandler
     bridge_state.DistributedSignalHandler = StopSignalHandler
-    held = contextlib.ExitStack()
-    held.enter_context(signals_deferred())
+    hold_stop_signals()
     try:
-        yield SignalsHeldUntilTraining(held)
+        yield SignalsHeldUntilTraining()
     finally:
-        held.close()
+        release_stop_signals()
         bridge_state.DistributedSignalHandler = bridge_handler

@@ -15,7 +15,6 @@ with one line (``nemo_anchor.launch.cuda``; ``NEMO_ANCHOR_ALLOW_CPU=1`` trains o
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -70,7 +69,7 @@ def prepare(config) -> None:
     # export_hf of this run needs the HF model it started from. The launch's ranks all run this before
     # Bridge initialises torch.distributed, on any host sharing the folder: the global rank 0 copies it,
     # and a copy published first by another launch is kept
-    if int(os.environ.get("RANK", "0")) == 0 and start and (Path(start) / HF_REFERENCE).is_dir():
+    if launch.global_rank() == 0 and start and (Path(start) / HF_REFERENCE).is_dir():
         copy_directory_once(Path(start) / HF_REFERENCE, Path(config.checkpoint.save) / HF_REFERENCE)
 
 
@@ -92,9 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     except launch.CudaExpected as error:  # a GPU job that sees no GPU: one line, before anything is written
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     allow_change = [key for value in args.allow_change for key in value.split(",") if key]
-    with run_guard.claimed(config) as claim:  # nemo-anchor train's lock, resume comparison, tokenizer check, exit status
+    with run_guard.claimed(config) as guard:  # the lock, resume comparison, tokenizer check, exit status
         prepare(config)
-        with run_guard.checked(config, allow_change, claim) as guards:
+        with run_guard.checked(config, allow_change, guard) as guards:
             _pretrain(config, [MetricsCallback(args.peak_tflops), *guards])
 
 

@@ -1,8 +1,10 @@
 """Our trainer's run guards on Megatron-Bridge's ``pretrain()`` (``python -m nemo_anchor.bridge.pretrain``).
 
-- One run per ``checkpoint.save`` (``nemo_anchor.run_dir.RunClaim``, the lock ``nemo-anchor train``
-  takes on its output_dir), taken before anything is written there and held before every save: a run
-  whose lease another run took over stops without saving.
+- One run per ``checkpoint.save`` (``nemo_anchor.run_lease.RunGuard``, the lock ``nemo-anchor train``
+  takes on its output_dir), taken by the global rank 0 (``RANK``, or Slurm's ``SLURM_PROCID`` without
+  torchrun) before anything is written there and held before every save: a run whose lease another run
+  took over stops without saving. The stop signals are held back from before the lock is taken until
+  Bridge's exit-signal handler is installed (:mod:`nemo_anchor.bridge.preemption`).
 - The data's tokenizer (pack's ``tokenizer/``) is the one of the weights the run starts from (the
   ``hf_reference/`` that ``import_hf`` keeps beside a checkpoint), checked before the first step.
 - A resume (``checkpoint.load`` with a saved iteration) is compared with the run as
@@ -22,18 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
 from megatron.bridge.training.callbacks import Callback, CallbackContext
 
 from nemo_anchor.atomic import atomic_file
+from nemo_anchor.launch import global_rank
 from nemo_anchor.bridge.convert import HF_REFERENCE
 from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer, load_tokenizer
-from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, lease_lost_message, lease_lost_on_any_rank
+from nemo_anchor.run_dir import RunDir
+from nemo_anchor.run_lease import RunClaim, RunGuard
 from nemo_anchor.training import resume
-from nemo_anchor.training.preemption import EXIT_INTERRUPTED
+from nemo_anchor.training.preemption import EXIT_INTERRUPTED, hold_stop_signals, release_stop_signals
 
 RECORD_FILE = "run_guard.json"
 
@@ -124,15 +127,14 @@ class _LeaseHeld(Callback):
     """Before any save of a step (Bridge saves after ``on_train_step_end``), every rank learns whether rank 0 still
     holds the lease on ``checkpoint.save``: a run whose lease another run took over stops without writing."""
 
-    def __init__(self, claim: RunClaim | None, root: str):
-        self.claim, self.root = claim, root
+    def __init__(self, guard: RunGuard):
+        self.guard = guard
 
     def on_train_step_end(self, context: CallbackContext) -> None:
         import torch
 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        if lease_lost_on_any_rank(self.claim, device):
-            raise RunDirInUse(lease_lost_message(self.root, context.state.train_state.step + 1))
+        self.guard.stop_if_lost(device, context.state.train_state.step + 1)
 
 
 class _RecordWithCheckpoint(Callback):
@@ -144,34 +146,37 @@ class _RecordWithCheckpoint(Callback):
         self.record, self.save = record, save
 
     def on_checkpoint_save(self, context: CallbackContext) -> None:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if global_rank() == 0:
             with atomic_file(Path(self.save) / RECORD_FILE) as staging:
                 staging.write_text(json.dumps({**self.record, "step": context.state.train_state.step}, indent=1))
 
 
 @contextlib.contextmanager
-def claimed(config) -> Iterator[RunClaim | None]:
-    """One run writes into ``checkpoint.save`` (the lock, taken by rank 0 before anything is written there); yields
-    rank 0's claim (None on the other ranks) for :func:`checked`."""
+def claimed(config) -> Iterator[RunGuard]:
+    """One run writes into ``checkpoint.save`` (the lock, taken by the global rank 0 before anything is written
+    there, with the stop signals held back until Bridge's handler is in); yields the guard for :func:`checked`."""
     if not config.checkpoint.save:
         raise ValueError("checkpoint.save is not set: give the run's output directory")
-    claim = RunClaim(RunDir(config.checkpoint.save)) if int(os.environ.get("RANK", "0")) == 0 else None
+    hold_stop_signals()  # released once training starts (nemo_anchor.bridge.preemption), or after the release here
+    guard = RunGuard(None, config.checkpoint.save)
     try:
-        yield claim
+        if global_rank() == 0:
+            guard.claim = RunClaim(RunDir(config.checkpoint.save))
+        yield guard
     finally:
-        if claim is not None:
-            claim.release(failed=False)  # Bridge's iter_* are not our checkpoints/: nothing is removed
+        guard.release(failed=False)  # Bridge's iter_* are not our checkpoints/: nothing is removed
+        release_stop_signals()
 
 
 @contextlib.contextmanager
-def checked(config, allow_change: list[str], claim: RunClaim | None = None) -> Iterator[list[Callback]]:
-    """``with claimed(config) as claim, checked(config, allow, claim) as callbacks: pretrain(config, step,
+def checked(config, allow_change: list[str], guard: RunGuard) -> Iterator[list[Callback]]:
+    """``with claimed(config) as guard, checked(config, allow, guard) as callbacks: pretrain(config, step,
     callbacks=[..., *callbacks])``: the checks, the lease held before every save, the record for the next resume
     written with each checkpoint, Bridge's exit-signal save, and exit status 75 after it."""
     record = check(config, allow_change)
     seen = _SignalSeen()
     try:
-        yield [seen, _LeaseHeld(claim, config.checkpoint.save), _RecordWithCheckpoint(record, config.checkpoint.save)]
+        yield [seen, _LeaseHeld(guard), _RecordWithCheckpoint(record, config.checkpoint.save)]
     except SystemExit as exit:  # Bridge ends a run stopped by its exit signal with sys.exit(0), after the save
         if exit.code in (0, None) and seen.stopped_by_signal():
             raise SystemExit(EXIT_INTERRUPTED) from None

@@ -1,6 +1,6 @@
 """Our trainer's run guards on NeMo's ``llm.pretrain``, as Lightning callbacks in every recipe.
 
-- :class:`AnchorRunGuard`: one run per log directory (``nemo_anchor.run_dir.RunClaim``, the lock
+- :class:`AnchorRunGuard`: one run per log directory (``nemo_anchor.run_lease.RunGuard``, the lock
   ``nemo-anchor train`` takes on its output_dir), held before every save: a run whose lease another
   run took over stops without saving; data packed with the model's tokenizer, checked
   before the first step; and a resume (NeMo's ``AutoResume`` in the same ``log.log_dir``) that may
@@ -14,7 +14,8 @@
   ``'trainer.callbacks[1].allow_change=["optim.lr"]'``.
 - :class:`AnchorNeMoLogger`: NeMo's logger, taking that lock on the log directory before NeMo writes into
   it (its log files, and ``task.json`` with ``"w"``), so a refused run leaves the holder's files as they
-  were; the guard then holds the same claim.
+  were; the guard then holds the same claim. The stop signals are held back from before the lock is taken
+  until :class:`AnchorPreemption` installs its handler.
 - :class:`AnchorPreemption`: NeMo's ``PreemptionCallback`` on SIGTERM, SIGINT and SIGUSR1 (Slurm's
   ``--signal=USR1@120``): the step in progress finishes, the last checkpoint is saved and the
   process exits with ``nemo-anchor train``'s status 75, so the same command resumes.
@@ -29,7 +30,6 @@ Our names for NeMo's settings (what the comparison and the messages use)::
 
 import contextlib
 import os
-import threading
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -41,9 +41,11 @@ from nemo.utils import AppState
 
 from nemo_anchor.data.tokenizer import check_same_tokenizer, load_tokenizer
 from nemo_anchor.convert.sources import check_nemo2_weights, nemo2_tokenizer_dir
-from nemo_anchor.run_dir import LOCK_FILE, RunClaim, RunDir, RunDirInUse, lease_lost_message, lease_lost_on_any_rank
+from nemo_anchor.run_dir import LOCK_FILE, RunDir
+from nemo_anchor.run_lease import RunClaim, RunGuard
 from nemo_anchor.training import resume
-from nemo_anchor.training.preemption import EXIT_INTERRUPTED, STOP_SIGNALS, StopRequest, signals_deferred
+from nemo_anchor.training.preemption import (EXIT_INTERRUPTED, STOP_SIGNALS, StopRequest, hold_stop_signals,
+                                             release_stop_signals)
 
 
 
@@ -84,15 +86,21 @@ class AnchorNeMoLogger(nl.NeMoLogger):
 
     def setup(self, trainer, resume_if_exists: bool = False, task_config=None):
         directory = self._reused_directory(resume_if_exists)
+        if directory is not None:
+            hold_stop_signals()  # until AnchorPreemption's handler is in: a signal meanwhile waits for it
         if directory is not None and trainer.global_rank == 0 and directory not in _CLAIMS:
-            _CLAIMS[directory] = RunClaim(RunDir(directory))
+            try:
+                _CLAIMS[directory] = RunClaim(RunDir(directory))
+            except BaseException:
+                release_stop_signals()
+                raise
         app_state = super().setup(trainer, resume_if_exists=resume_if_exists, task_config=task_config)
         if directory is not None and Path(app_state.log_dir).resolve() != directory:
             raise RuntimeError(f"NeMoLogger chose {app_state.log_dir}, not {directory}: this NeMo picks its log "
                                f"directory differently from nemo_anchor.nemo.run_guard.AnchorNeMoLogger")
         # NeMo's checkpoint callback moves the files it found here into run_N/ (model_checkpoint.py:154-167):
-        # the lock stays where other runs look for it
-        app_state.files_to_move = [f for f in app_state.files_to_move if Path(f).name != LOCK_FILE]
+        # the lock (and its .break) stays where other runs look for it
+        app_state.files_to_move = [f for f in app_state.files_to_move if not Path(f).name.startswith(LOCK_FILE)]
         return app_state
 
     def _reused_directory(self, resume_if_exists: bool) -> Optional[Path]:
@@ -125,17 +133,18 @@ class AnchorRunGuard(pl.Callback):
     def __init__(self, allow_change: Optional[List[str]] = None):  # List: what NeMo-Run's command line parses
         self.allow_change = list(allow_change or [])
         resume.check_allow_list(self.allow_change)
-        self._claim: Optional[RunClaim] = None
+        self._guard: Optional[RunGuard] = None
         self._record: dict = {}
         self._changed: dict = {}
 
     # ---------------------------------------------------------------- before anything is restored or trained
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Runs before NeMo's checkpoint callback moves the log directory's files and before a restore."""
-        if stage != "fit" or self._claim is not None:
+        if stage != "fit" or self._guard is not None:
             return
-        if trainer.is_global_zero:  # first: while another run holds the directory, nothing else is looked at
-            self._claim = _claim(AppState().log_dir)
+        hold_stop_signals()  # first: until AnchorPreemption's handler is in, a signal waits for it
+        # then the lock: while another run holds the directory, nothing else is looked at
+        self._guard = RunGuard(_claim(AppState().log_dir) if trainer.is_global_zero else None, AppState().log_dir)
         data = trainer.datamodule
         self._check_start(trainer, pl_module, data)
         if pl_module.config.vocab_size:
@@ -185,6 +194,8 @@ class AnchorRunGuard(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """An allowed change of lr, min_lr or weight decay takes effect (the optimizer state restored the old ones);
         each parameter group keeps its own multiplier, as Megatron's ``override_opt_param_scheduler`` does."""
+        if not any(isinstance(callback, AnchorPreemption) for callback in trainer.callbacks):
+            release_stop_signals()  # no handler of ours takes the signals held since setup: their defaults do
         if not resume.overrides_schedule(self._changed, self.allow_change):
             return
         scaled = {"optim.lr": ("lr", "max_lr"), "optim.min_lr": ("min_lr",), "optim.weight_decay": ("weight_decay",)}
@@ -204,8 +215,7 @@ class AnchorRunGuard(pl.Callback):
         """Before any save of this step (Lightning runs checkpoint callbacks last, and this guard comes before
         AnchorPreemption in the recipes), every rank learns whether rank 0 still holds the lease: a run whose
         lease another run took over stops without writing."""
-        if lease_lost_on_any_rank(self._claim, pl_module.device):
-            raise RunDirInUse(lease_lost_message(AppState().log_dir, trainer.global_step))
+        self._guard.stop_if_lost(pl_module.device, trainer.global_step)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._release()
@@ -215,9 +225,10 @@ class AnchorRunGuard(pl.Callback):
             self._release()
 
     def _release(self) -> None:
-        if self._claim is not None:
-            self._claim.release(failed=False)  # NeMo's log directory is NeMo's: only the lock goes
-            self._claim = None
+        if self._guard is not None:
+            self._guard.release(failed=False)  # NeMo's log directory is NeMo's: only the lock goes
+            self._guard = None
+        release_stop_signals()  # a run that ends before its stop handler was installed
 
 
 class AnchorPreemption(PreemptionCallback):
@@ -233,26 +244,24 @@ class AnchorPreemption(PreemptionCallback):
         self.exit_code = exit_code
         self._device = torch.device("cpu")
         self._stop = StopRequest()
-        self._deferred = contextlib.ExitStack()  # the signals held back from setup to on_train_start
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Hold the signals back until :meth:`on_train_start`: the data loader's workers, started in between, inherit
         the block and never see them (torch's workers die of SIGTERM, torch/utils/data/_utils/worker.py:269, and the
         main process, still saving, then fails on the dead worker; NeMo rebuilds the loader without a
         ``worker_init_fn``, nemo/lightning/data.py:224). Slurm, Kubernetes and torchrun signal the whole group."""
-        if stage == "fit" and threading.current_thread() is threading.main_thread():
-            self._deferred.close()
-            self._deferred.enter_context(signals_deferred())
+        if stage == "fit":
+            hold_stop_signals()  # held already when AnchorNeMoLogger or AnchorRunGuard took the lock
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """As NeMo's, the handlers go in here, after Lightning's (which would end the run with SIGTERMException
         without a save, lightning/pytorch/loops/training_epoch_loop.py:310); then a signal held meanwhile arrives."""
         self._device = pl_module.device
         super().on_train_start(trainer, pl_module)
-        self._deferred.close()
+        release_stop_signals()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._deferred.close()
+        release_stop_signals()
 
     @contextlib.contextmanager
     def _preemption_handler(self):  # overrides nemo/lightning/pytorch/callbacks/preemption.py:78 (one signal)

@@ -6,7 +6,7 @@ is the mean over every loss token of the global batch, so every parallel layout 
 single-process loss. Everything a run reads is checked before anything in ``output_dir`` is
 written; a resumed run continues from the newest intact checkpoint, with the same model and data
 (:mod:`nemo_anchor.training.resume`); one run writes into an ``output_dir`` at a time
-(:class:`~nemo_anchor.run_dir.RunClaim`).
+(:class:`~nemo_anchor.run_lease.RunGuard`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer
 from nemo_anchor.model.vocab import padded_vocab_size
 from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
-from nemo_anchor.run_dir import RunClaim, RunDir, RunDirInUse, checkpoint_step, read_run_config
+from nemo_anchor.run_dir import RunDir, checkpoint_step, read_run_config
+from nemo_anchor.run_lease import RunClaim, RunDirInUse, RunGuard
 from nemo_anchor import checksums
 from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training import memory, preemption, resume, throughput
@@ -55,8 +56,9 @@ class Trainer:
     Start-up reads and checks everything before writing: the output is none of the inputs, the data
     and tokenizers agree, and a resumed checkpoint's config allows the new one
     (:mod:`nemo_anchor.training.resume`). Then rank 0 takes the output_dir's lock
-    (:class:`~nemo_anchor.run_dir.RunClaim`), held until ``fit()`` returns; a fresh run that fails
-    before its first checkpoint leaves no folder behind.
+    (:class:`~nemo_anchor.run_lease.RunGuard`), held until ``fit()`` returns; a fresh run that fails, or is
+    stopped, before its first checkpoint leaves no folder behind. The stop signals are held back from before the
+    lock is taken until ``fit()`` installs its handler, which then acts on them.
     """
 
     def __init__(self, config: RunConfig):
@@ -79,7 +81,12 @@ class Trainer:
         self.data_record = resume.data_record(config.data.path)
         # the stop flag is agreed between micro-batches on the CPU, so that asking never waits for the device
         self._stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        self._claim = self._claim_output_dir()
+        preemption.hold_stop_signals()  # released in fit(), once its handler is in, or after a failure's clean-up
+        try:
+            self._guard = self._claim_output_dir()
+        except BaseException:
+            preemption.release_stop_signals()
+            raise
         try:
             with checksums.verification(config.checkpoint.verify):  # the resumed checkpoint, model.init_from_hf's
                 self._start()
@@ -142,7 +149,7 @@ class Trainer:
                              "the device): leave it unset, or set it false")
         return available if wanted is None else wanted
 
-    def _claim_output_dir(self) -> RunClaim | None:
+    def _claim_output_dir(self) -> RunGuard:
         """Rank 0 takes the output_dir's lock; every rank learns whether it got it."""
         claim, refusal = None, [None]
         if self.ctx.is_main:
@@ -156,14 +163,11 @@ class Trainer:
         dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
             raise RunDirInUse(refusal[0])
-        if claim is not None and claim.lease.took_over:
-            self._say(f"took over the lease of {claim.lease.took_over}")
-        return claim
+        return RunGuard(claim, self.run.root)
 
     def _release(self, *, failed: bool) -> None:
-        if self._claim is not None:
-            self._claim.release(failed=failed)
-            self._claim = None
+        self._guard.release(failed=failed)
+        preemption.release_stop_signals()  # a signal held back until now, with no handler, ends the process
 
     def _check_resume(self, checkpoint: Path) -> bool:
         """Refuse a resume that changes the run; report what changes; True when the new LR schedule applies."""
@@ -345,14 +349,14 @@ class Trainer:
     def fit(self) -> TrainSummary:
         """Train to ``trainer.max_steps``, or to the step every rank reached when SIGTERM, SIGINT or SIGUSR1 came
         (:mod:`~nemo_anchor.training.preemption`: saved, then ``stopped_by_signal``); the output_dir's lease is
-        released at the end."""
+        released at the end (a fresh run stopped before its first step removes its folder)."""
         try:
             summary = self._fit()
             self.saver.close(wait_for_deletions=not summary.stopped_by_signal, report=self._say)
         except BaseException:
             self._release(failed=True)
             raise
-        self._release(failed=False)
+        self._release(failed=summary.checkpoint is None)
         return summary
 
     def _fit(self) -> TrainSummary:
@@ -366,7 +370,12 @@ class Trainer:
         saved = self.resumed_from if self.resumed_from is not None else None
         started, tokens_seen = time.perf_counter(), 0
         with preemption.StopRequest() as stop:
-            while self.step < t.max_steps:
+            preemption.release_stop_signals()  # a signal held back since the lock was taken arrives here
+            if self._agree(stop.requested)[0]:  # before the first step: nothing trained, nothing to save
+                logger.write(f"stop requested ({stop.signal_name or 'by another rank'}) before the first step: "
+                             f"nothing saved; run the same command again to " + ("resume" if saved else "start"))
+                stopped = True
+            while not stopped and self.step < t.max_steps:
                 step_start = time.perf_counter()
                 try:
                     last = self.train_step(stop)
@@ -388,9 +397,9 @@ class Trainer:
                     valid_loss = self.evaluate()
                     if valid_loss is not None:
                         logger.log_eval(self.step, {"valid_loss": valid_loss})
-                stop_now, lease_lost = self._agree(stop.requested, self._lease_lost())
+                stop_now, lease_lost = self._agree(stop.requested, self._guard.lost_here())
                 if lease_lost:  # another run writes into output_dir now: this one must not write another byte
-                    raise RunDirInUse(self._lease_lost_message())
+                    raise RunDirInUse(self._guard.lost_message(self.step))
                 if stop_now:
                     saved = self._stop_now(saved, stop, logger, agreed=True)
                     stopped = True
@@ -414,8 +423,8 @@ class Trainer:
         """Save the step reached for a stop, within the grace period: written once, nothing read back, no wait for
         the checksums of an earlier save; returns the checkpoint."""
         stopped_at = time.perf_counter()
-        if not agreed and self._agree(self._lease_lost())[0]:
-            raise RunDirInUse(self._lease_lost_message())
+        if not agreed and self._agree(self._guard.lost_here())[0]:
+            raise RunDirInUse(self._guard.lost_message(self.step))
         if saved is None or checkpoint_step(saved) != self.step:
             saved = self.save(read_back=False)
         else:  # this step's checkpoint is the resumed one, or the one in flight
@@ -424,10 +433,6 @@ class Trainer:
                      f"in {time.perf_counter() - stopped_at:.1f} s (its checksums are recorded when the run "
                      f"resumes); run the same command again to resume")
         return saved
-
-    def _lease_lost_message(self) -> str:
-        return (f"output_dir {self.run.root}: another run took this run's lease over; this run stops at step "
-                f"{self.step} without saving")
 
     def _state_bytes_per_rank(self) -> dict[str, list[int]]:
         measured = memory.state_bytes(self.engine)
@@ -457,10 +462,6 @@ class Trainer:
         value = torch.tensor([int(flag) for flag in flags], device=self.ctx.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return [bool(v) for v in value.tolist()]
-
-    def _lease_lost(self) -> bool:
-        """Whether this run lost its lease (rank 0, which holds it, reads the lease file now)."""
-        return self._claim is not None and not self._claim.lease.held()
 
 
 def _saved_data_record(checkpoint: Path) -> dict | str | None:

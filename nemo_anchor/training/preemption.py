@@ -16,6 +16,10 @@ The public API, for any front door::
                     save()
                 sys.exit(EXIT_INTERRUPTED)
 
+:func:`hold_stop_signals` closes the window between a run's first change of its folder (its lease) and its stop
+handler: every door blocks the signals before it takes the lease, and :func:`release_stop_signals` ends the block
+once the handler is in, which then acts on what arrived (a run that fails before releases it after its clean-up).
+
 :func:`signals_deferred` is what makes a save after the signal work: wrap every checkpoint save in
 it (the scheduled ones too), because Megatron starts the processes a save needs during the first
 save and keeps some of them.
@@ -51,7 +55,8 @@ class StopRequest:
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)  # while held: the handler from before the hold
+                self._previous[sig] = _held[0].handlers[sig] if previous is _record and _held else previous
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -62,6 +67,60 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class _Held:
+    """The stop signals held back: the mask and handlers before, and the signals another thread took meanwhile."""
+
+    def __init__(self):
+        self.handlers = {sig: signal.signal(sig, _record) for sig in STOP_SIGNALS}
+        self.mask = _block()
+        self.received: list[int] = []
+
+
+_held: list[_Held] = []  # while hold_stop_signals() holds the signals
+
+
+def _record(signum, frame) -> None:
+    """The handler while held: a process-directed signal goes to any thread that does not block it (torch's, gloo's),
+    where the default action would end the process; it is recorded and raised again at the release."""
+    if _held:
+        _held[0].received.append(signum)
+
+
+def hold_stop_signals() -> None:
+    """Hold :data:`STOP_SIGNALS` back from now until :func:`release_stop_signals` (main thread; once: a second call
+    while held does nothing): blocked in this thread, and recorded when another thread takes one. A door calls it
+    before it takes its folder's lease, so that a signal arriving before its stop handler is installed waits for
+    the handler instead of ending the process with the folder half-made."""
+    if not _held and threading.current_thread() is threading.main_thread():
+        _held.append(_Held())
+
+
+def release_stop_signals() -> None:
+    """End :func:`hold_stop_signals`: a signal held meanwhile arrives now, at the stop handler when one was installed
+    meanwhile (:class:`StopRequest`), otherwise with the handler from before (the default: the process ends).
+    Does nothing when nothing is held."""
+    if not _held:
+        return
+    held = _held.pop()
+    for sig, handler in held.handlers.items():
+        if signal.getsignal(sig) is _record:
+            signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held.mask)
+    for sig in held.received:
+        signal.raise_signal(sig)
+
+
+def _block():
+    """Block :data:`STOP_SIGNALS` in this thread; returns the mask before. Python's resource tracker, which
+    ``spawn`` starts on first use, unblocks SIGINT and SIGTERM in the calling thread after starting itself
+    (``multiprocessing.resource_tracker.ensure_running``): it is started first (resource_tracker.py:147-151 in
+    Python 3.11), so that it leaves the block alone."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    return signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 @contextlib.contextmanager

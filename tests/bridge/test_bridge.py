@@ -268,7 +268,8 @@ def test_data_of_another_tokenizer_is_refused_before_the_first_step(start, pretr
 def test_a_second_run_into_the_same_checkpoint_save_is_refused(start, pretrain_cli, tmp_path):
     """While a run holds checkpoint.save (its lock, as nemo-anchor train's), another run is refused naming its
     host and pid, before writing anything there."""
-    from nemo_anchor.run_dir import RunClaim, RunDir
+    from nemo_anchor.run_dir import RunDir
+    from nemo_anchor.run_lease import RunClaim
 
     root, megatron, config = start
     save = tmp_path / "held"

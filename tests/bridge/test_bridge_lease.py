@@ -97,3 +97,22 @@ def test_run_guard_json_describes_the_checkpoint_a_resume_loads(pretrain_cli, co
     after = json.loads((save / "run_guard.json").read_text())
     assert after["config"]["optim"]["clip_grad"] == 1.0 and after == record  # it still describes iter_0000002
     assert record["step"] == 2
+
+
+@pytest.mark.parametrize("variables, holds", [({"SLURM_PROCID": "1"}, False), ({"SLURM_PROCID": "0"}, True),
+                                              ({"RANK": "0", "SLURM_PROCID": "3"}, True)],
+                         ids=["srun-task-1", "srun-task-0", "torchrun-under-srun"])
+def test_under_srun_without_torchrun_only_task_0_takes_the_lease(tmp_path, monkeypatch, variables, holds):
+    """``srun python -m nemo_anchor.bridge.pretrain``: no RANK, every task has its SLURM_PROCID; only the global
+    rank 0 may take (and later release) the lease, or every task would race for it."""
+    from types import SimpleNamespace
+
+    from nemo_anchor.bridge import run_guard
+
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    save = tmp_path / "run"
+    with run_guard.claimed(SimpleNamespace(checkpoint=SimpleNamespace(save=str(save)))) as guard:
+        assert (save / LOCK_FILE).is_file() == holds and (guard.claim is not None) == holds
+    assert not (save / LOCK_FILE).exists()
