@@ -41,7 +41,10 @@ setup(
         "nemo": ["nemo_toolkit[nlp,run]==2.7.3", "pyarrow<22", "leptonai<0.47"],
         # CUDA only; never installed on CPU machines. NVIDIA apex is optional and not on PyPI
         # (PyPI's `apex` is an unrelated package that breaks Megatron's fallbacks).
-        "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.6"],
+        # triton: the anchor merge's kernels (nemo_anchor/attention/anchor_key_triton.py) use nothing newer than
+        # Triton 3.2, torch 2.6's (triton.knobs, 3.4+, is not needed); without it the merge falls back to torch
+        # and says so (nemo_anchor.attention.anchor_key.merge_path)
+        "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.6", "triton>=3.2"],
         # Megatron-Bridge 0.6 (Python 3.12, megatron-core 0.19). Its own requirements do not resolve
         # from PyPI (see constraints/bridge-py312.txt): in an NVIDIA container that ships it, nothing
         # here is needed; elsewhere scripts/setup_env.sh installs the curated set.

@@ -24,21 +24,39 @@ def _import(module_name: str) -> tuple[ModuleType | None, str | None]:
         return None, f"`import {module_name}` failed: {type(error).__name__}: {error}"
 
 
-@functools.cache
-def _accepting(kernel: Callable[..., Any], name: str, keywords: tuple[str, ...]) -> tuple[Callable[..., Any] | None, str | None]:
-    """``(kernel, None)`` when ``kernel`` takes every keyword argument in ``keywords`` (or any, through
-    ``**kwargs``; or its signature cannot be read), else None and which ones it lacks: the release
-    installed calls them otherwise, and calling it would raise TypeError mid-run."""
+def _parameters(kernel: Callable[..., Any]) -> dict[str, bool] | None:
+    """``{name: can be passed by keyword}`` of a function or a torch op (read from its schema, which
+    ``inspect.signature`` cannot read), ``{"**": True}`` for a function taking ``**kwargs``; None if unreadable."""
+    schema = getattr(getattr(kernel, "default", None), "_schema", None)  # torch.ops.<namespace>.<op>
+    if schema is not None:
+        return {argument.name: True for argument in schema.arguments}
     try:
         parameters = inspect.signature(kernel).parameters
     except (TypeError, ValueError):
-        return kernel, None
+        return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return {"**": True}
+    return {name: p.kind is not inspect.Parameter.POSITIONAL_ONLY for name, p in parameters.items()}
+
+
+@functools.cache
+def _accepting(kernel: Callable[..., Any], name: str, keywords: tuple[str, ...]) -> tuple[Callable[..., Any] | None, str | None]:
+    """``(kernel, None)`` when ``kernel`` (a function or a torch op) takes every keyword argument in ``keywords``
+    (or any, through ``**kwargs``; or its signature cannot be read), else None and which ones it lacks: the
+    release installed calls them otherwise, and calling it would raise TypeError mid-run, or, by position, pass
+    one argument for another."""
+    parameters = _parameters(kernel)
+    if parameters is None or "**" in parameters:
         return kernel, None
-    missing = [k for k in keywords if k not in parameters or parameters[k].kind is inspect.Parameter.POSITIONAL_ONLY]
+    missing = [k for k in keywords if not parameters.get(k, False)]
     if missing:
         return None, f"{name} takes no {', '.join(missing)} (a release with other keyword names than nemo-anchor calls)"
     return kernel, None
+
+
+def takes_keyword(kernel: Callable[..., Any], keyword: str) -> bool:
+    """Whether ``kernel`` takes ``keyword`` (an optional argument some releases lack, e.g. ``deterministic``)."""
+    return _accepting(kernel, "", (keyword,))[1] is None
 
 
 # the keyword arguments our backends pass each kernel (nemo_anchor.attention.flash, fa3, fa4)
@@ -47,6 +65,12 @@ FLASH_ATTN_2_KEYWORDS = (*_VARLEN_KEYWORDS, "dropout_p", "return_attn_probs")
 FLASH_ATTN_3_KEYWORDS = ("softmax_scale", "causal", "return_attn_probs")
 FLASH_ATTN_4_KEYWORDS = (*_VARLEN_KEYWORDS, "return_lse")
 FLASH_ATTN_4_BACKWARD_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+# the backward ops are called by keyword, every argument we pass checked against the op's schema
+_BACKWARD_KEYWORDS = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+                      "max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_size_left", "window_size_right",
+                      "softcap", "deterministic")
+FLASH_ATTN_2_BACKWARD_KEYWORDS = (*_BACKWARD_KEYWORDS, "dropout_p", "causal", "alibi_slopes", "rng_state")
+FLASH_ATTN_3_BACKWARD_KEYWORDS = (*_BACKWARD_KEYWORDS, "is_causal", "sm_margin")
 
 
 def flash_attn_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
@@ -76,7 +100,8 @@ def torch_varlen_attn() -> tuple[Callable[..., Any] | None, str | None]:
 
 def anchor_key_triton() -> tuple[ModuleType | None, str | None]:
     """Our Triton kernels that merge the window anchor (:mod:`nemo_anchor.attention.anchor_key_triton`; they
-    need ``triton``, which every CUDA torch wheel brings), or None and why they are unavailable."""
+    need ``triton``, which every CUDA torch wheel brings, in the range of nemo-anchor's ``[gpu]`` extra), or None
+    and why they are unavailable (:func:`nemo_anchor.attention.anchor_key.merge_path` says it)."""
     return _import("nemo_anchor.attention.anchor_key_triton")
 
 
@@ -109,7 +134,8 @@ def flash_attn_varlen_backward() -> tuple[Callable[..., Any] | None, str | None]
         return None, reason
     if not hasattr(torch.ops.flash_attn, "_flash_attn_varlen_backward"):
         return None, "this flash-attn (< 2.7) registers no torch.ops.flash_attn._flash_attn_varlen_backward"
-    return torch.ops.flash_attn._flash_attn_varlen_backward, None
+    return _accepting(torch.ops.flash_attn._flash_attn_varlen_backward,
+                      "torch.ops.flash_attn._flash_attn_varlen_backward", FLASH_ATTN_2_BACKWARD_KEYWORDS)
 
 
 def flash_attn_3_varlen_func() -> tuple[Callable[..., Any] | None, str | None]:
@@ -148,7 +174,8 @@ def flash_attn_3_backward() -> tuple[Callable[..., Any] | None, str | None]:
         return None, reason
     if not hasattr(torch.ops.flash_attn_3, "_flash_attn_backward"):
         return None, "this FlashAttention-3 (before August 2025) registers no torch.ops.flash_attn_3._flash_attn_backward"
-    return torch.ops.flash_attn_3._flash_attn_backward, None
+    return _accepting(torch.ops.flash_attn_3._flash_attn_backward, "torch.ops.flash_attn_3._flash_attn_backward",
+                      FLASH_ATTN_3_BACKWARD_KEYWORDS)
 
 
 def flash_attn_4_backward() -> tuple[Callable[..., Any] | None, str | None]:

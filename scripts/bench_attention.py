@@ -43,6 +43,9 @@ from nemo_anchor.attention.layout import layout_blocks, lognormal_documents, pac
 from nemo_anchor.attention.reference import dense_mask
 from nemo_anchor.cpu_bf16 import bf16_matmuls_in_fp32
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import attention_path, positive_float, positive_int  # noqa: E402  (scripts/bench_args.py)
+
 # name -> (mask whose allowed pairs count as useful work, supports backward on the CPU)
 METHODS = {
     "full causal SDPA": ("full", True),
@@ -262,17 +265,17 @@ def check_targets(args, cu_seqlens, results, in_kernel: float | None) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=8192, help="T, tokens in the packed window")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--docs", type=int, default=16)
+    parser.add_argument("--tokens", type=positive_int, default=8192, help="T, tokens in the packed window")
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--kv-heads", type=positive_int, default=None, help="default: --heads")
+    parser.add_argument("--head-dim", type=positive_int, default=64)
+    parser.add_argument("--docs", type=positive_int, default=16)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (the fastest is reported: load only adds time)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs after one warm-up (the fastest is reported: load only adds time)")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count())
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    parser.add_argument("--max-dense-gb", type=float, default=4.0,
+    parser.add_argument("--max-dense-gb", type=positive_float, default=4.0,
                         help="skip the O(T^2) methods when one fp32 [H, T, T] score tensor exceeds this")
     parser.add_argument("--peak-rss", action="store_true",
                         help="only anchor_attention cpu forward+backward; print the process's total peak RSS")
@@ -285,6 +288,13 @@ def main(argv=None) -> int:
         print(json.dumps(memory_worker(json.loads(args.worker))))
         return 0
     args.kv_heads = args.kv_heads or args.heads
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.docs > args.tokens:
+        parser.error(f"--docs {args.docs} is more documents than --tokens {args.tokens}")
+    print("attention: " + "; ".join(attention_path(m.removeprefix("anchor_attention ").split(",")[0], "anchor",
+                                                   torch.device("cpu"))
+                                    for m in args.methods if m.startswith("anchor_attention")) + " (CPU)")
     if args.kernel_scaling:
         kernel_scaling(args)
         return 0

@@ -35,7 +35,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_anchor import gpu
 from nemo_anchor.attention import anchor_attention, fa3, fa4, flash
+from nemo_anchor.attention.functional import backend_choice
 from nemo_anchor.attention.layout import PackLayout, lognormal_documents
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import attention_path, positive_float, positive_int  # noqa: E402  (scripts/bench_args.py)
 
 REPO = Path(__file__).resolve().parents[1]
 ANCHOR_PATH_VARIABLE = "NEMO_ANCHOR_ANCHOR_PATH"
@@ -185,25 +189,31 @@ def measure(args, counter: LaunchCounter, tokens: int, mode: str, device: torch.
 def parse_args(argv=None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--backend", choices=["flash", "fa3", "fa4", "torch_varlen", "auto"],
                         default="auto" if cuda else "flash",
                         help="on the CPU: flash, fa3 or fa4 through their stand-ins")
-    parser.add_argument("--heads", type=int, default=32 if cuda else 2)
-    parser.add_argument("--kv-heads", type=int, default=8 if cuda else 1)
-    parser.add_argument("--head-dim", type=int, default=128 if cuda else 16)
+    parser.add_argument("--heads", type=positive_int, default=32 if cuda else 2)
+    parser.add_argument("--kv-heads", type=positive_int, default=8 if cuda else 1)
+    parser.add_argument("--head-dim", type=positive_int, default=128 if cuda else 16)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         default="bfloat16" if cuda else "float32")
-    parser.add_argument("--mean-document", type=float, default=1024, help="mean document length (log-normal)")
-    parser.add_argument("--window", type=int, default=None, help="tokens per window (default: one window)")
+    parser.add_argument("--mean-document", type=positive_float, default=1024, help="mean document length (log-normal)")
+    parser.add_argument("--window", type=positive_int, default=None, help="tokens per window (default: one window)")
     parser.add_argument("--paths", nargs="+", choices=["merge", "kv_copy"], default=["merge"],
                         help=f"anchor paths ({ANCHOR_PATH_VARIABLE}) to count")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per pass on CUDA (the median is printed)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed runs per pass on CUDA (the median is printed)")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not cuda and args.backend not in ("flash", "fa3", "fa4"):
         parser.error(f"--backend {args.backend} has no CPU stand-in here; choose flash, fa3 or fa4")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    for tokens in args.tokens:
+        if args.window is not None and (args.window > tokens or tokens % args.window):
+            parser.error(f"--window {args.window} does not divide --tokens {tokens} into whole windows")
     return args
 
 
@@ -225,7 +235,10 @@ def main(argv=None) -> int:
             rows.append((tokens, intra, anchors))
 
     where = (f"CUDA {torch.cuda.get_device_name()}" if cuda else "CPU, stand-in kernels (no times: not a GPU)")
-    print(f"\nlaunches per layer, backend {args.backend}, {where}; heads {args.heads}/{args.kv_heads}, "
+    probe = torch.empty(1, args.heads, args.head_dim, dtype=getattr(torch, args.dtype), device=device)
+    backend = args.backend if not cuda else backend_choice(args.backend, probe, True, "anchor")[0]
+    print(f"\nattention: {attention_path(backend, 'anchor', device)}")
+    print(f"launches per layer, backend {args.backend}, {where}; heads {args.heads}/{args.kv_heads}, "
           f"d={args.head_dim}, {args.dtype}, documents of mean {args.mean_document:.0f} tokens, "
           f"{'one window' if not args.window else f'windows of {args.window}'}")
     header = ["T", "pass", "intra_doc"]

@@ -170,3 +170,19 @@ def test_kernels_equal_the_torch_fallback():
     for name, a, b, before in zip(("out", "lse", "dq", "dk", "dv"), *results, (out, lse, dq, dk, dv)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
         assert not torch.equal(a, before), name  # the merge changed something
+
+
+def test_the_kernels_import_on_a_triton_without_knobs(monkeypatch):
+    """``triton.knobs`` appeared in Triton 3.4; the [gpu] extra allows 3.2 (torch 2.6's). The module reads whether
+    its kernels are interpreted off the kernels themselves, so it imports there too, and says the same."""
+    import importlib.util
+
+    import triton
+
+    monkeypatch.delattr(triton, "knobs", raising=False)
+    path = Path(anchor_key.__file__).with_name("anchor_key_triton.py")
+    spec = importlib.util.spec_from_file_location("anchor_key_triton_without_knobs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.INTERPRETED == INTERPRETED
+    assert module.runs_on(torch.device("cpu")) == INTERPRETED and module.runs_on(torch.device("cuda")) != INTERPRETED

@@ -63,7 +63,10 @@ def test_the_benchmark_prints_its_table(monkeypatch, capsys):
                      "kv_copy", "--threads", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out
+    # which path it measured, and why (without triton here: the torch fallback)
+    assert "\nattention: flash (FlashAttention-2); anchor merge: torch fallback (" in printed
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in printed.splitlines()
             if line.startswith("| ") and not line.startswith("| T ") and not set(line) <= set("|- ")]
     assert [(row[0], row[1]) for row in rows] == [(t, p) for t in ("256", "512") for p in ("forward", "backward")]
     for _, _, intra, *paths in rows:

@@ -5,11 +5,13 @@ patched compute capability and device name, and the backends' availability check
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
 
-from nemo_anchor.attention import fa3, fa4, flash, functional, te, torch_varlen
+from nemo_anchor import gpu
+from nemo_anchor.attention import anchor_key, fa3, fa4, flash, functional, te, torch_varlen
 from nemo_anchor.model import core_attention
 from nemo_anchor.model.config import ModelConfig
 from nemo_anchor.model.gpt import build_gpt_model, packed_forward
@@ -112,3 +114,32 @@ def test_only_rank_zero_logs(model, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="nemo_anchor"):
         packed_forward(model, _batch())
     assert not _records(caplog, logging.INFO)
+
+
+def test_the_log_line_names_the_anchor_merge_path_and_why(h100, caplog, monkeypatch):
+    """Where the Triton merge cannot run, the first forward's line says the torch fallback runs, and why."""
+    monkeypatch.setattr(gpu, "anchor_key_triton", lambda: (None, "`import triton` failed: ModuleNotFoundError"))
+    monkeypatch.delenv("NEMO_ANCHOR_ANCHOR_PATH", raising=False)
+    with caplog.at_level(logging.INFO, logger="nemo_anchor"):
+        functional.log_backend_choice("fa3", "anchor", _cuda_query(), True, deterministic=True)
+    [info] = _records(caplog, logging.INFO)
+    assert ("anchor runs on fa3 (FlashAttention-3) on NVIDIA H100 80GB HBM3, bfloat16, head_dim 128; anchor merge: "
+            "torch fallback (`import triton` failed: ModuleNotFoundError); deterministic backward: asked for by name"
+            ) in info
+    compiled = types.SimpleNamespace(runs_on=lambda device: device.type == "cuda", INTERPRETED=False)
+    monkeypatch.setattr(gpu, "anchor_key_triton", lambda: (compiled, None))
+    assert anchor_key.merge_path(torch.device("cuda")) == (compiled, "triton")
+    assert anchor_key.merge_path(torch.device("cpu"))[1] == ("torch fallback (cpu tensors; the Triton path needs a GPU "
+                                                             "or TRITON_INTERPRET=1)")
+    assert functional.anchor_handling("fa3", "full", torch.device("cuda")) is None  # no anchor to merge
+
+
+def test_a_cuda_fallback_warns_once_with_its_cost(monkeypatch, caplog):
+    monkeypatch.setattr(gpu, "anchor_key_triton", lambda: (None, "`import triton` failed: ModuleNotFoundError"))
+    monkeypatch.setattr(anchor_key, "_WARNED", set())
+    q = types.SimpleNamespace(device=torch.device("cuda", 0), is_cuda=True, numel=lambda: 131072 * 32 * 128)
+    with caplog.at_level(logging.INFO, logger="nemo_anchor"):
+        assert anchor_key._kernels(q) is None and anchor_key._kernels(q) is None
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "torch fallback (`import triton` failed: ModuleNotFoundError) on CUDA" in warning
+    assert "2.00 GiB each here" in warning and "[gpu] extra" in warning

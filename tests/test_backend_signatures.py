@@ -134,3 +134,25 @@ def test_rocm_is_refused_where_the_log_sum_exp_is_read(monkeypatch, hopper):
         assert "ROCm" in backend.unavailable_reason(q, needs_grad=True)
     monkeypatch.setattr(gpu, "transformer_engine_pytorch", lambda: (types.SimpleNamespace(), None))
     assert te.unavailable_reason(q, needs_grad=True) is None
+
+
+@torch.library.custom_op("nemo_anchor_test::fa3_backward_before_deterministic", mutates_args=("dq", "dk", "dv"))
+def _fa3_backward_without_deterministic(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                        out: torch.Tensor, softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
+                                        is_causal: bool, window_size_left: int, window_size_right: int,
+                                        softcap: float, sm_margin: int) -> None:
+    raise AssertionError("an op that cannot take the arguments we pass must not be called")
+
+
+def test_flash_attention_3s_backward_op_is_checked_against_its_schema(monkeypatch, hopper):
+    """The op is called by keyword: one whose schema lacks a keyword we pass (here ``deterministic``) falls
+    through with the reason, as FlashAttention-4's backward does, instead of taking one argument for another."""
+    monkeypatch.setattr(gpu, "flash_attn_3_varlen_func", lambda: (lambda *args, **kwargs: None, None))
+    monkeypatch.setattr(torch.ops, "flash_attn_3", types.SimpleNamespace(
+        _flash_attn_backward=torch.ops.nemo_anchor_test.fa3_backward_before_deterministic))
+    gpu._accepting.cache_clear()
+    kernel, reason = gpu.flash_attn_3_backward()
+    assert kernel is None and "_flash_attn_backward takes no deterministic " in reason, reason
+    assert fa3.unavailable_reason(_cuda_query(), needs_grad=True) == reason

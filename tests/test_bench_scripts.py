@@ -4,14 +4,15 @@ Timings are not asserted (they belong to the printed tables); what is checked is
 row is there, the FLOP/s columns follow from the printed times and the pair counts of the mask,
 and the derived ratios are consistent with the rows they are computed from.
 """
+import importlib
 import re
 import subprocess
 import sys
 from math import inf
 from pathlib import Path
 
+import pytest
 import torch
-
 
 from nemo_anchor.attention.layout import layout_blocks, pack_layout
 from nemo_anchor.attention.reference import dense_mask
@@ -120,3 +121,22 @@ def test_bench_data_prints_pack_throughput_with_and_without_the_digest():
     off, on = float(off_s), float(on_s)
     rounding = 100 * 0.0005 * (1 / off + on / off**2)  # the seconds are printed to 3 decimals
     assert abs(float(cost.rstrip("%")) - (on / off - 1) * 100) <= 0.1 + rounding
+
+
+@pytest.mark.parametrize("script, argv, option", [
+    ("bench_launches", ["--tokens", "0"], "argument --tokens: must be a positive whole number, got 0"),
+    ("bench_launches", ["--tokens", "1024", "--window", "4096"], "--window 4096 does not divide --tokens 1024"),
+    ("bench_launches", ["--heads", "3", "--kv-heads", "2"], "--heads 3 is not a multiple of --kv-heads 2"),
+    ("bench_launches", ["--mean-document", "-1"], "argument --mean-document: must be a positive finite number"),
+    ("bench_attention", ["--tokens", "0"], "argument --tokens: must be a positive whole number, got 0"),
+    ("bench_attention", ["--tokens", "64", "--docs", "100"], "--docs 100 is more documents than --tokens 64"),
+    ("bench_host", ["--layers", "0"], "argument --layers: must be a positive whole number, got 0"),
+])
+def test_benchmarks_refuse_bad_arguments_in_one_line_naming_the_option(script, argv, option, capsys):
+    """In-process, before any work: well under a CPU second for all of them."""
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as stop:
+        (module.parse_args if hasattr(module, "parse_args") else module.main)(argv)
+    assert stop.value.code == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert option in line.partition("error: ")[2], line

@@ -189,10 +189,11 @@ def fa3_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return (out, lse) if return_attn_probs else out
 
 
-def fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
-                 max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
-                 deterministic, sm_margin):
-    """``torch.ops.flash_attn_3._flash_attn_backward``: fills dq, dk, dv; returns softmax_d."""
+def fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None, sequed_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None, softmax_scale=None, is_causal=False,
+                 window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0):
+    """``torch.ops.flash_attn_3._flash_attn_backward`` (its names, ``sequed_q`` included, and defaults): fills dq,
+    dk, dv; returns softmax_d."""
     assert is_causal and sequed_q is None and sequed_k is None and (window_size_left, window_size_right) == (-1, -1)
     return flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                       max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, True, -1, -1, softcap, None,

@@ -14,18 +14,22 @@ in fp32 registers, no temporary larger than ``[2, n_tiles, Hkv, D]`` fp32); wher
 torch over all query rows at once, 23 aten ops forward and 42 backward in fp32 (a few casts more
 in bf16), no loop (rows without an anchor get ``s = -inf``, which leaves them bit for bit
 unchanged). That fallback allocates fp32 temporaries of q's size ``[Tq, Hq, D]`` (q, out and the
-output gradient, products of them) and every row's anchor key and value ``[Tq, Hkv, D]``; it
-never runs on a GPU where triton is installed (every CUDA torch wheel brings it).
+output gradient, products of them) and every row's anchor key and value ``[Tq, Hkv, D]``.
+
+:func:`merge_path` says which of the two runs for a device and why; the first forward's log line
+quotes it. On CUDA the fallback runs only where the Triton kernels cannot (no ``triton``, one
+too old for them, a broken install): it warns once, naming why and what it costs, and carries
+on, since its results are the same (tests/test_anchor_key_triton.py) and only time and memory differ.
 """
 from __future__ import annotations
 
-import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from nemo_anchor import gpu
-from nemo_anchor.attention.layout import QueryBlock, VarlenPlan, varlen_plan
+from nemo_anchor.attention.layout import QueryBlock, VarlenPlan, derived, to_device, varlen_plan
 
 # query rows per Triton program (a tile never crosses from one anchor to another); the backward
 # keeps one fp32 [Hkv, D] sum per tile and pass: Tq / TILE_ROWS of them
@@ -55,12 +59,46 @@ class AnchorPlan:
     row_bias: torch.Tensor
 
 
-@functools.lru_cache(maxsize=64)
-def anchor_plan(blocks: tuple[QueryBlock, ...], q_offset: int, device: torch.device) -> AnchorPlan:
-    """The plan of the query blocks ``blocks`` (queries from packed position ``q_offset``) on ``device``.
+def merge_path(device: torch.device) -> tuple[object | None, str]:
+    """``(the Triton kernels' module, "triton")`` where they run on ``device``'s tensors, else
+    ``(None, "torch fallback (why)")``."""
+    kernels, reason = gpu.anchor_key_triton()
+    if kernels is not None and kernels.runs_on(device):
+        return kernels, "triton"
+    if kernels is None:
+        why = reason
+    elif kernels.INTERPRETED:
+        why = f"Triton's interpreter (TRITON_INTERPRET=1) runs CPU tensors, not {device.type}"
+    else:
+        why = f"{device.type} tensors; the Triton path needs a GPU or TRITON_INTERPRET=1"
+    return None, f"torch fallback ({why})"
 
-    Host work and non-blocking copies only: building it does not wait for the device.
+
+_WARNED: set[str] = set()  # the device types whose fallback this process has warned about
+
+
+def _kernels(q: torch.Tensor):
+    """The Triton kernels for q's device, or None (the torch fallback); on CUDA the first fallback warns."""
+    kernels, path = merge_path(q.device)
+    if kernels is None and q.is_cuda and q.device.type not in _WARNED:
+        _WARNED.add(q.device.type)
+        logging.getLogger(__name__).warning(
+            "nemo_anchor attention: the anchor merge runs its %s on CUDA: about 23 launches forward and 42 backward "
+            "per layer instead of 1 and 2, and fp32 temporaries of q's size (%.2f GiB each here); install the Triton "
+            "of nemo-anchor's [gpu] extra", path, q.numel() * 4 / 2**30)
+    return kernels
+
+
+def anchor_plan(blocks: tuple[QueryBlock, ...], q_offset: int, device: torch.device) -> AnchorPlan:
+    """The plan of the query blocks ``blocks`` (queries from packed position ``q_offset``) on ``device``, built
+    once per :class:`~nemo_anchor.attention.layout.QueryBlocks` (so per micro-batch) and kept there.
+
+    Host work and non-blocking copies from pinned memory only: building it does not wait for the device.
     """
+    return derived(blocks, ("anchor_plan", q_offset, device), lambda: _anchor_plan(blocks, q_offset, device))
+
+
+def _anchor_plan(blocks: tuple[QueryBlock, ...], q_offset: int, device: torch.device) -> AnchorPlan:
     runs: dict[int, list[tuple[int, int]]] = {}  # anchor -> its rows of q, in order
     for block in blocks:
         if block.anchor is not None:
@@ -76,7 +114,7 @@ def anchor_plan(blocks: tuple[QueryBlock, ...], q_offset: int, device: torch.dev
         slot_tiles.append(len(tiles))
 
     def on_device(x) -> torch.Tensor:
-        return x.to(device, non_blocking=True)
+        return to_device(x, device)
 
     plain = tuple(QueryBlock(b.key_start, b.start, b.end, None) for b in blocks)
     return AnchorPlan(varlen_plan(plain, device), on_device(torch.tensor(tiles, dtype=torch.int32)),
@@ -100,8 +138,8 @@ def merge_anchor(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch
     ``out' = out * exp(lse - lse') + v[anchor] * exp(s - lse')`` with ``s = scale * q . k[anchor]``,
     computed in fp32 and rounded once to out's dtype; the other rows are left as they are.
     """
-    kernels, _ = gpu.anchor_key_triton()
-    if kernels is not None and kernels.runs_on(q.device):
+    kernels = _kernels(q)
+    if kernels is not None:
         kernels.merge(out, lse, q, k, v, plan, scale)
         return
     s, k_rows, v_rows, _ = _scores(q, k, v, plan, scale)
@@ -129,8 +167,8 @@ def merge_anchor_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, 
     ``dk[anchor] += scale * sum ds * q`` and ``dv[anchor] += sum p * dout`` over the rows and query
     heads that see it; sums in fp32, one rounding per stored element.
     """
-    kernels, _ = gpu.anchor_key_triton()
-    if kernels is not None and kernels.runs_on(q.device):
+    kernels = _kernels(q)
+    if kernels is not None:
         kernels.merge_backward(dq, dk, dv, dout, q, k, v, out, lse, plan, scale)
         return
     kv_heads = k.shape[1]

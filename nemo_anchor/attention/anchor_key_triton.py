@@ -25,14 +25,6 @@ import triton.language as tl
 
 KERNELS = ("forward_kernel", "backward_kernel", "finish_kernel")
 BLOCK_M = 32  # query rows per step of a program: three [BLOCK_M, D] fp32 blocks live in the backward
-# what ``triton.jit`` below made of the kernels: interpreted (TRITON_INTERPRET=1 when this module
-# was imported) they run on CPU tensors, compiled on CUDA ones
-INTERPRETED = bool(triton.knobs.runtime.interpret)
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether these kernels run on tensors of ``device``."""
-    return device.type == ("cpu" if INTERPRETED else "cuda")
 
 
 @triton.jit
@@ -118,6 +110,17 @@ def finish_kernel(dk, dv, partial, slot_tiles, anchors, half, dk_t, dk_h, dv_t, 
     dv_row = dv + anchor * dv_t + kv_head * dv_h + d
     tl.store(dk_row, (tl.load(dk_row, mask=in_d, other=0.0).to(tl.float32) + dk_a).to(dk.dtype.element_ty), mask=in_d)
     tl.store(dv_row, (tl.load(dv_row, mask=in_d, other=0.0).to(tl.float32) + dv_a).to(dv.dtype.element_ty), mask=in_d)
+
+
+# what ``triton.jit`` above made of the kernels: interpreted (TRITON_INTERPRET=1 when this module was
+# imported) they run on CPU tensors, compiled (a ``JITFunction``) on CUDA ones. Read off the kernel, not off
+# ``triton.knobs`` (Triton >= 3.4 only), so every Triton the [gpu] extra allows answers the same.
+INTERPRETED = not isinstance(forward_kernel, triton.runtime.JITFunction)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether these kernels run on tensors of ``device``."""
+    return device.type == ("cpu" if INTERPRETED else "cuda")
 
 
 def merge(out, lse, q, k, v, plan, scale: float) -> None:

@@ -65,18 +65,25 @@ def anchor_path() -> str:
 @dataclass(frozen=True)
 class VarlenKernel:
     """A varlen kernel's three calls over a plan's key rows (see the module docstring): ``attention`` is the
-    backend's ``attention(q, k, v, blocks, q_offset, scale)``."""
+    backend's ``attention(q, k, v, blocks, q_offset, scale, deterministic)``."""
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, keys, values, plan, scale) -> (out, lse)
+    # (dout, q, keys, values, out, lse, plan, scale, deterministic) -> (dq, dkeys, dvalues)
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     differentiable: Callable[..., torch.Tensor]  # (q, keys, values, plan, scale) -> out, its library's autograd
 
-    def attention(self, q, k, v, blocks, q_offset, scale):
+    def attention(self, q, k, v, blocks, q_offset, scale, deterministic=False):
+        """``deterministic`` (Megatron's ``deterministic_mode``): every backward runs through :attr:`backward` with
+        the library's own deterministic flag, blocks without anchors too (a library's public autograd may not
+        take one); the anchor merge is deterministic either way (no atomics)."""
         if anchor_path() == "kv_copy" or not has_anchor(blocks):
             # without anchors every sequence's keys are a range of k/v (a view); with them, a gathered copy
             plan = varlen_plan(blocks, q.device)
+            if deterministic:
+                return _Merged.apply(q, k, v, self, plan, None, scale, True)
             return self.differentiable(q, _plan_keys(k, plan), _plan_keys(v, plan), plan, scale)
-        return _AnchorMerged.apply(q, k, v, self, anchor_plan(blocks, q_offset, q.device), scale)
+        plan = anchor_plan(blocks, q_offset, q.device)
+        return _Merged.apply(q, k, v, self, plan.documents, plan, scale, deterministic)
 
 
 def _plan_keys(x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
@@ -102,23 +109,28 @@ def has_anchor(blocks: tuple[QueryBlock, ...]) -> bool:
     return any(b.anchor is not None for b in blocks)
 
 
-class _AnchorMerged(torch.autograd.Function):
+class _Merged(torch.autograd.Function):
+    """The kernel's forward and backward over ``documents``, and the anchor merged where ``anchors`` (an
+    :class:`~nemo_anchor.attention.anchor_key.AnchorPlan`) is given."""
+
     @staticmethod
-    def forward(ctx, q, k, v, kernel, plan, scale):
-        documents = plan.documents
+    def forward(ctx, q, k, v, kernel, documents, anchors, scale, deterministic):
         out, lse = kernel.forward(q, _plan_keys(k, documents), _plan_keys(v, documents), documents, scale)
-        merge_anchor(out, lse, q, k, v, plan, scale)  # lse: fp32 [Hq, Tq]
+        if anchors is not None:
+            merge_anchor(out, lse, q, k, v, anchors, scale)  # lse: fp32 [Hq, Tq]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.plan, ctx.scale = kernel, plan, scale
+        ctx.kernel, ctx.documents, ctx.anchors, ctx.scale = kernel, documents, anchors, scale
+        ctx.deterministic = deterministic
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        documents = ctx.plan.documents
+        documents = ctx.documents
         dq, dk, dv = ctx.kernel.backward(grad_out, q, _plan_keys(k, documents), _plan_keys(v, documents), out, lse,
-                                         documents, ctx.scale)
+                                         documents, ctx.scale, ctx.deterministic)
         dk, dv = _plan_key_grad(dk, k, documents), _plan_key_grad(dv, v, documents)
-        merge_anchor_backward(dq, dk, dv, grad_out, q, k, v, out, lse, ctx.plan, ctx.scale)
-        return dq, dk, dv, None, None, None
+        if ctx.anchors is not None:
+            merge_anchor_backward(dq, dk, dv, grad_out, q, k, v, out, lse, ctx.anchors, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None

@@ -23,12 +23,11 @@ Memory O(T * H * D): no mask or score matrix is ever built; the padded buckets a
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from nemo_anchor.attention.layout import QueryBlock
+from nemo_anchor.attention.layout import QueryBlock, derived
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -43,7 +42,8 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
     return None if q.device.type == "cpu" else f"it runs on CPU tensors only, got device {q.device}"
 
 
-def attention(q, k, v, blocks, q_offset, scale):
+# deterministic (Megatron's deterministic_mode): torch's CPU kernels: no atomics
+def attention(q, k, v, blocks, q_offset, scale, deterministic=False):
     return _BlockwiseFlashAttention.apply(q, k, v, blocks, q_offset, scale)
 
 
@@ -101,9 +101,12 @@ class _Bucket:
         target.index_add_(0, self.anchors, part[:, :, 0].float())
 
 
-@functools.lru_cache(maxsize=64)
 def _buckets(blocks: tuple[QueryBlock, ...], q_offset: int) -> tuple[_Bucket, ...]:
-    """The query blocks as bucketed entries (see the module docstring)."""
+    """The query blocks as bucketed entries (see the module docstring), built once per query blocks."""
+    return derived(blocks, ("cpu_buckets", q_offset), lambda: _build_buckets(blocks, q_offset))
+
+
+def _build_buckets(blocks: tuple[QueryBlock, ...], q_offset: int) -> tuple[_Bucket, ...]:
     entries = sorted(((b.end - b.start + (b.anchor is not None), b.anchor is not None, b.start, b.anchor)
                       for b in blocks), key=lambda e: (e[1], e[0]), reverse=True)
     groups: list[list[tuple]] = []

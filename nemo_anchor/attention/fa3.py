@@ -7,7 +7,8 @@ FlashAttention-2. The sequences are those of the flash-attn 2 backend
 With anchors the documents run alone and the anchor is merged through the log-sum-exp
 (:mod:`nemo_anchor.attention.anchor_merge`): the public call with ``return_attn_probs=True``
 returns it, and the backward is the op FlashAttention-3's own autograd calls, handed the merged
-output and log-sum-exp (:func:`nemo_anchor.gpu.flash_attn_3_backward`). No K/V copy.
+output and log-sum-exp (:func:`nemo_anchor.gpu.flash_attn_3_backward`, called by keyword, each checked
+against the op's schema). No K/V copy. ``deterministic`` reaches that backward's own flag.
 """
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ def _documents_forward(q, keys, values, plan, scale):
     return out, lse
 
 
-def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
+def _documents_backward(dout, q, keys, values, out, lse, plan, scale, deterministic=False):
     backward, _ = gpu.flash_attn_3_backward()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
-    # no seqused, causal, no window or softcap, not deterministic, no SM margin: as the public call
-    backward(dout, q, keys, values, out, lse, plan.cu_seqlens_q, plan.cu_seqlens_k, None, None,
-             plan.max_seqlen_q, plan.max_seqlen_k, dq, dk, dv, scale, True, -1, -1, 0.0, False, 0)
+    # by keyword (checked against the op's schema: gpu.FLASH_ATTN_3_BACKWARD_KEYWORDS); no seqused, causal, no
+    # window or softcap, no SM margin: as the public call
+    backward(dout=dout, q=q, k=keys, v=values, out=out, softmax_lse=lse, cu_seqlens_q=plan.cu_seqlens_q,
+             cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
+             dq=dq, dk=dk, dv=dv, softmax_scale=scale, is_causal=True, window_size_left=-1, window_size_right=-1,
+             softcap=0.0, deterministic=deterministic, sm_margin=0)
     return dq, dk, dv
 
 

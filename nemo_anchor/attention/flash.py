@@ -33,12 +33,14 @@ def _documents_forward(q, keys, values, plan, scale):
     return out, lse
 
 
-def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
+def _documents_backward(dout, q, keys, values, out, lse, plan, scale, deterministic=False):
     backward, _ = gpu.flash_attn_varlen_backward()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
-    # dropout 0, causal, no window, softcap or ALiBi, not deterministic, no random state: as the public call
-    backward(dout, q, keys, values, out, lse, dq, dk, dv, plan.cu_seqlens_q, plan.cu_seqlens_k,
-             plan.max_seqlen_q, plan.max_seqlen_k, 0.0, scale, True, -1, -1, 0.0, None, False, None)
+    # dropout 0, causal, no window, softcap or ALiBi, no random state: as the public call
+    backward(dout=dout, q=q, k=keys, v=values, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+             cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
+             max_seqlen_k=plan.max_seqlen_k, dropout_p=0.0, softmax_scale=scale, causal=True, window_size_left=-1,
+             window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=deterministic, rng_state=None)
     return dq, dk, dv
 
 

@@ -19,7 +19,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from nemo_anchor.attention.layout import QueryBlock, per_query
+from nemo_anchor.attention.layout import QueryBlock, derived, per_query
 
 TILE = 128
 _MIN_CUDA_HEAD_DIM = 16
@@ -45,9 +45,13 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.lru_cache(maxsize=16)
 def block_mask(blocks: tuple[QueryBlock, ...], q_offset: int, total: int, device: torch.device) -> BlockMask:
-    """The BlockMask of queries ``[q_offset, q_offset + Tq)`` against ``total`` keys."""
+    """The BlockMask of queries ``[q_offset, q_offset + Tq)`` against ``total`` keys, built once per query blocks."""
+    return derived(blocks, ("flex_block_mask", q_offset, total, device),
+                   lambda: _build_block_mask(blocks, q_offset, total, device))
+
+
+def _build_block_mask(blocks: tuple[QueryBlock, ...], q_offset: int, total: int, device: torch.device) -> BlockMask:
     key_start, anchor = per_query(blocks, device)
     q_len = len(key_start)
     q_tiles, k_tiles = -(-q_len // TILE), -(-total // TILE)
@@ -78,7 +82,8 @@ def block_mask(blocks: tuple[QueryBlock, ...], q_offset: int, total: int, device
     )
 
 
-def attention(q, k, v, blocks, q_offset, scale):
+# deterministic (Megatron's deterministic_mode): FlexAttention's own backward (gpu_check.py compares two runs)
+def attention(q, k, v, blocks, q_offset, scale, deterministic=False):
     mask = block_mask(blocks, q_offset, k.shape[0], q.device)
     if not torch.is_grad_enabled():  # torch refuses CPU inputs that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()

@@ -5,6 +5,8 @@ import importlib
 import logging
 import math
 import sys
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -35,7 +37,21 @@ KERNEL_FAMILIES = {
     "fa3": "FlashAttention-3", "fa4": "FlashAttention-4", "flash": "FlashAttention-2", "torch_varlen": "FlashAttention-2",
     "te": "cuDNN fused attention", "cpu": "torch's CPU flash attention", "flex": "FlexAttention", "reference": "dense reference",
 }
+# backends whose anchor is merged by nemo_anchor.attention.anchor_key (Triton, or its torch fallback)
+MERGES_ANCHOR = frozenset({"torch_varlen", "flash", "fa3", "fa4"})
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ChosenBackend:
+    """A backend chosen once for one kind of call (:func:`choose_backend`) and reused: pass it as
+    ``anchor_attention(backend=...)`` and no call chooses again. ``skipped``: why ``auto`` passed over each
+    backend before it; ``requested``: the name asked for (``auto`` or this one)."""
+
+    name: str
+    attention: Callable[..., torch.Tensor] = field(repr=False)
+    requested: str
+    skipped: dict[str, str]
 
 
 class BackendUnavailableError(RuntimeError):
@@ -51,9 +67,10 @@ def anchor_attention(
     cu_windows: torch.Tensor | None = None,
     layout: PackLayout | None = None,
     mode: str = "anchor",
-    backend: str = "auto",
+    backend: str | ChosenBackend = "auto",
     softmax_scale: float | None = None,
     q_offset: int = 0,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Causal attention over packed windows of documents: full, intra-document, or AnchorAttention.
 
@@ -92,11 +109,19 @@ def anchor_attention(
             ``"auto"``: the first that can run these inputs: on Hopper fa3, te, fa4, torch_varlen,
             flash; on Blackwell fa4, te, torch_varlen, flash; on Ampere torch_varlen, flash, te
             (te skipped in ``anchor`` mode); then cpu, flex, reference (a GPU in fp32: flex; the CPU: cpu).
+            Or a :class:`ChosenBackend` (:func:`choose_backend`), chosen once for calls like this one: a model
+            layer chooses at its first forward, and no later call repeats the availability checks.
         softmax_scale: scale of ``q @ k^T``; default ``D ** -0.5``. Softmax statistics are fp32
             whatever the input dtype.
         q_offset: the rows of q are the tokens at packed positions ``[q_offset, q_offset + Tq)``
             of the sequence described by ``cu_seqlens``/``cu_windows`` over k/v's length T (used
             by context parallelism); row i of the output is the token at ``q_offset + i``.
+        deterministic: the backward gives the same bits every run (Megatron's ``deterministic_mode``): each
+            FlashAttention backward gets its deterministic flag (torch's: ``torch.use_deterministic_algorithms``
+            for that call), and ``auto`` skips what has none here (FlashAttention-4 before SM100, Transformer
+            Engine without ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). The anchor merge has no atomics either way.
+            With ``NEMO_ANCHOR_ANCHOR_PATH=kv_copy`` the anchors' gathered key gradients are summed by
+            ``index_add_``, deterministic on CUDA only under ``torch.use_deterministic_algorithms``.
 
     Returns:
         ``(Tq, Hq, D)`` in the input dtype; differentiable in q, k and v (flex: not on the CPU).
@@ -115,7 +140,7 @@ def anchor_attention(
     _check_tensors(q, k, v, q_offset)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    if backend not in BACKENDS:
+    if not isinstance(backend, ChosenBackend) and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
@@ -130,9 +155,14 @@ def anchor_attention(
     elif layout.total != k.shape[0]:
         raise ValueError(f"the layout covers T={layout.total} tokens, but k and v hold {k.shape[0]}")
     blocks = layout.blocks(mode, q_offset, q.shape[0])
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    implementation = select_backend(backend, q, needs_grad, mode)
-    return implementation.attention(q, k, v, blocks, q_offset, float(softmax_scale))
+    if not isinstance(backend, ChosenBackend):
+        backend = choose_backend(backend, q, needs_grad(q, k, v), mode, deterministic)
+    return backend.attention(q, k, v, blocks, q_offset, float(softmax_scale), deterministic=deterministic)
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether a call on ``tensors`` here will be differentiated (what the backends' checks ask)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
 def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> None:
@@ -167,16 +197,29 @@ def auto_order(q: torch.Tensor) -> tuple[str, ...]:
     return gpu_order + _ANYWHERE
 
 
-def select_backend(backend: str, q: torch.Tensor, needs_grad: bool, mode: str):
+def select_backend(backend: str, q: torch.Tensor, needs_grad: bool, mode: str, deterministic: bool = False):
     """The backend module that runs ``mode`` for ``q`` (``auto``: the first in :func:`auto_order` that can).
 
     Raises:
         BackendUnavailableError: an explicitly named backend cannot; says why.
     """
-    return _backend_module(backend_choice(backend, q, needs_grad, mode)[0])
+    return _backend_module(backend_choice(backend, q, needs_grad, mode, deterministic)[0])
 
 
-def backend_choice(backend: str, q: torch.Tensor, needs_grad: bool, mode: str) -> tuple[str, dict[str, str]]:
+def choose_backend(backend: str, q: torch.Tensor, needs_grad: bool, mode: str,
+                   deterministic: bool = False) -> ChosenBackend:
+    """:func:`backend_choice` as a :class:`ChosenBackend`, to reuse for every call of that kind (same device,
+    dtype, head_dim, gradient need, mode and determinism).
+
+    Raises:
+        BackendUnavailableError: an explicitly named backend cannot run; says why.
+    """
+    name, skipped = backend_choice(backend, q, needs_grad, mode, deterministic)
+    return ChosenBackend(name, _backend_module(name).attention, backend, skipped)
+
+
+def backend_choice(backend: str, q: torch.Tensor, needs_grad: bool, mode: str,
+                   deterministic: bool = False) -> tuple[str, dict[str, str]]:
     """The name of the backend that runs ``mode`` for ``q``, and why ``auto`` passed over each backend
     before it (``{name: reason}``; empty for a named backend).
 
@@ -184,13 +227,13 @@ def backend_choice(backend: str, q: torch.Tensor, needs_grad: bool, mode: str) -
         BackendUnavailableError: an explicitly named backend cannot run; says why.
     """
     if backend != "auto":
-        reason = unavailable_reason(backend, q, needs_grad, mode)
+        reason = unavailable_reason(backend, q, needs_grad, mode, deterministic)
         if reason is not None:
             raise BackendUnavailableError(f"backend {backend!r} cannot run here: {reason}")
         return backend, {}
     skipped = {}
     for name in auto_order(q):  # the reference runs everywhere: there always is one
-        reason = unavailable_reason(name, q, needs_grad, mode)
+        reason = unavailable_reason(name, q, needs_grad, mode, deterministic)
         if reason is None:
             return name, skipped
         skipped[name] = reason
@@ -208,19 +251,41 @@ def common_backend(q: torch.Tensor, needs_grad: bool, modes=("anchor", "full")) 
     return next(name for name in auto_order(q) if all(unavailable_reason(name, q, needs_grad, m) is None for m in modes))
 
 
-def log_backend_choice(backend: str, mode: str, q: torch.Tensor, needs_grad: bool) -> None:
-    """Log which backend runs ``mode`` and why, and warn where ``auto`` would run ``anchor`` and ``full`` on
-    different kernel families (on Hopper without FlashAttention-3: FlashAttention-2 and cuDNN)."""
-    name, skipped = backend_choice(backend, q, needs_grad, mode)
+def anchor_handling(name: str, mode: str, device: torch.device) -> str | None:
+    """How backend ``name`` attends to the window anchor on ``device`` in ``mode``: the merge's path (Triton, or
+    the torch fallback and why: :func:`nemo_anchor.attention.anchor_key.merge_path`), the K/V copy of
+    ``NEMO_ANCHOR_ANCHOR_PATH=kv_copy``; None where no anchor is merged."""
+    if mode != "anchor" or name not in MERGES_ANCHOR:
+        return None
+    from nemo_anchor.attention.anchor_key import merge_path
+    from nemo_anchor.attention.anchor_merge import ANCHOR_PATH_VARIABLE, anchor_path
+
+    if anchor_path() == "kv_copy":
+        return f"anchor copied into every document's keys ({ANCHOR_PATH_VARIABLE}=kv_copy)"
+    return f"anchor merge: {merge_path(device)[1]}"
+
+
+def log_backend_choice(backend: str | ChosenBackend, mode: str, q: torch.Tensor, needs_grad: bool,
+                       deterministic: bool = False) -> None:
+    """Log which backend runs ``mode`` and why, how it attends to the anchor (:func:`anchor_handling`), and warn
+    where ``auto`` would run ``anchor`` and ``full`` on different kernel families (on Hopper without
+    FlashAttention-3: FlashAttention-2 and cuDNN). ``backend``: a name, or the :class:`ChosenBackend` that runs."""
+    if not isinstance(backend, ChosenBackend):
+        backend = choose_backend(backend, q, needs_grad, mode, deterministic)
+    name, skipped, requested = backend.name, backend.skipped, backend.requested
     device = torch.cuda.get_device_name(q.device) if q.is_cuda else str(q.device)
-    why = ("asked for by name" if backend != "auto" else
+    why = ("asked for by name" if requested != "auto" else
            "auto's first that runs here" + "".join(f"; not {b}: {reason}" for b, reason in skipped.items()))
+    details = [d for d in (anchor_handling(name, mode, q.device),
+                           "deterministic backward" if deterministic and needs_grad else None) if d]
     log = _library_logger()
-    log.info("nemo_anchor attention: %s runs on %s (%s) on %s, %s, head_dim %d: %s", mode, name, kernel_family(name),
-             device, str(q.dtype).removeprefix("torch."), q.shape[-1], why)
-    if backend != "auto" or mode not in ("anchor", "full"):
+    log.info("nemo_anchor attention: %s runs on %s (%s) on %s, %s, head_dim %d%s: %s", mode, name,
+             kernel_family(name), device, str(q.dtype).removeprefix("torch."), q.shape[-1],
+             "".join(f"; {d}" for d in details), why)
+    if requested != "auto" or mode not in ("anchor", "full"):
         return
-    families = {m: kernel_family(backend_choice("auto", q, needs_grad, m)[0]) for m in ("anchor", "full")}
+    families = {m: kernel_family(backend_choice("auto", q, needs_grad, m, deterministic)[0])
+                for m in ("anchor", "full")}
     if families["anchor"] != families["full"]:
         log.warning("nemo_anchor attention: on this machine auto runs anchor on %s and full on %s, so comparing them "
                     "compares kernels too; set the attention backend (model.attention_backend, NeMo/Bridge "
@@ -241,9 +306,18 @@ def _library_logger() -> logging.Logger:
     return logging.getLogger(__name__)
 
 
-def unavailable_reason(backend: str, q: torch.Tensor, needs_grad: bool, mode: str) -> str | None:
-    """Why ``backend`` cannot run ``mode`` for ``q`` on this machine, or None when it can."""
-    return backend_refusal(backend, mode) or _backend_module(backend).unavailable_reason(q, needs_grad)
+def unavailable_reason(backend: str, q: torch.Tensor, needs_grad: bool, mode: str,
+                       deterministic: bool = False) -> str | None:
+    """Why ``backend`` cannot run ``mode`` for ``q`` on this machine (with a deterministic backward where
+    ``deterministic`` and ``needs_grad``: the backend's ``deterministic_reason``, where it has one), or None."""
+    refusal = backend_refusal(backend, mode)
+    if refusal is not None:
+        return refusal
+    module = _backend_module(backend)
+    reason = module.unavailable_reason(q, needs_grad)
+    if reason is None and deterministic and needs_grad and hasattr(module, "deterministic_reason"):
+        reason = module.deterministic_reason(q)
+    return reason
 
 
 def backend_refusal(backend: str, mode: str) -> str | None:

@@ -19,13 +19,17 @@ A :class:`PackLayout` holds the boundaries of one pack, read from their tensors 
 host sync) and validated; the model builds it once per micro-batch and every layer reuses it and
 the query blocks it derives, so no layer reads the boundaries again. What the backends derive
 from the blocks goes to the device with ``non_blocking=True`` (CUDA stages pageable memory at once,
-where a blocking copy would wait for the stream), so deriving it does not sync either.
+where a blocking copy would wait for the stream), from pinned memory (:func:`to_device`: CUDA-graph capture
+refuses pageable copies), so deriving it does not sync either. What is derived is kept on the
+:class:`QueryBlocks` it was derived from (:meth:`QueryBlocks.derived`): a layer finds it by attribute, without
+hashing the blocks.
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Hashable, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +37,7 @@ import torch
 MODES = ("full", "intra_doc", "anchor")
 
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,40 @@ class QueryBlock:
     start: int
     end: int
     anchor: int | None
+
+
+class QueryBlocks(tuple):
+    """The query blocks of one (layout, mode, query range): a tuple of :class:`QueryBlock`, and what the backends
+    derived from it (varlen plans, anchor plans, block masks), kept beside it. The layout hands every layer the
+    same object, so a layer finds what the first one built by attribute: no per-layer hashing of the blocks (an
+    ``lru_cache`` on the tuple hashes each block in Python on every call)."""
+
+    def __new__(cls, blocks=()):
+        self = super().__new__(cls, blocks)
+        self._derived = {}
+        return self
+
+    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``'s result, built on first use for ``key`` (e.g. the kind of plan and the device) and kept."""
+        try:
+            return self._derived[key]
+        except KeyError:
+            value = self._derived[key] = build()
+            return value
+
+
+def derived(blocks: tuple[QueryBlock, ...], key: Hashable, build: Callable[[], T]) -> T:
+    """``blocks.derived(key, build)`` for :class:`QueryBlocks`; for a plain tuple (built by hand: tests, tools)
+    ``build()`` every time."""
+    return blocks.derived(key, build) if isinstance(blocks, QueryBlocks) else build()
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for it: on CUDA copied from pinned memory, ``non_blocking`` (a
+    pageable copy is staged synchronously, and CUDA-graph capture refuses it); elsewhere ``x`` itself."""
+    if device.type == "cuda":
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
 
 
 def boundaries(cu: torch.Tensor, total: int | None, name: str) -> tuple[int, ...]:
@@ -159,7 +198,7 @@ def query_blocks(
             else:
                 segments.append((start, start, end, anchor))
     q_end = q_offset + q_len
-    return tuple(
+    return QueryBlocks(
         QueryBlock(key_start, max(start, q_offset), min(end, q_end), anchor)
         for key_start, start, end, anchor in segments
         if start < q_end and end > q_offset
@@ -171,7 +210,7 @@ def per_query(blocks: tuple[QueryBlock, ...], device: torch.device) -> tuple[tor
     lengths = torch.tensor([b.end - b.start for b in blocks])
     key_start = torch.tensor([b.key_start for b in blocks]).repeat_interleave(lengths)
     anchor = torch.tensor([-1 if b.anchor is None else b.anchor for b in blocks]).repeat_interleave(lengths)
-    return key_start.to(device, non_blocking=True), anchor.to(device, non_blocking=True)
+    return to_device(key_start, device), to_device(anchor, device)
 
 
 @dataclass(frozen=True)
@@ -190,8 +229,12 @@ class VarlenPlan:
     kv_rows: slice | torch.Tensor
 
 
-@functools.lru_cache(maxsize=64)
 def varlen_plan(blocks: tuple[QueryBlock, ...], device: torch.device) -> VarlenPlan:
+    """The plan of ``blocks`` on ``device``, built once per :class:`QueryBlocks` and device."""
+    return derived(blocks, ("varlen_plan", device), lambda: _varlen_plan(blocks, device))
+
+
+def _varlen_plan(blocks: tuple[QueryBlock, ...], device: torch.device) -> VarlenPlan:
     q_lengths = [b.end - b.start for b in blocks]
     k_lengths = [b.end - b.key_start + (b.anchor is not None) for b in blocks]
     tiled = blocks[0].anchor is None and all(
@@ -205,9 +248,9 @@ def varlen_plan(blocks: tuple[QueryBlock, ...], device: torch.device) -> VarlenP
             if b.anchor is not None:
                 pieces.append(torch.tensor([b.anchor]))
             pieces.append(torch.arange(b.key_start, b.end))
-        kv_rows = torch.cat(pieces).to(device, non_blocking=True)
+        kv_rows = to_device(torch.cat(pieces), device)
 
     def cumulative(lengths: list[int]) -> torch.Tensor:
-        return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device, non_blocking=True)
+        return to_device(torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
 
     return VarlenPlan(cumulative(q_lengths), cumulative(k_lengths), max(q_lengths), max(k_lengths), kv_rows)

@@ -18,7 +18,8 @@ def dense_mask(blocks: tuple[QueryBlock, ...], q_offset: int, total: int, device
     return (keys <= position) & ((keys >= key_start[:, None]) | (keys == anchor[:, None]))
 
 
-def attention(q, k, v, blocks, q_offset, scale):
+# deterministic (Megatron's deterministic_mode): dense autograd: no atomics
+def attention(q, k, v, blocks, q_offset, scale, deterministic=False):
     group = q.shape[1] // k.shape[1]
     keys, values = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale

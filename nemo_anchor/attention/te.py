@@ -10,6 +10,7 @@ One TE module per head configuration is kept: it has no parameters, only kernel 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -24,6 +25,16 @@ def unavailable_reason(q: torch.Tensor, needs_grad: bool) -> str | None:
     return gpu.transformer_engine_pytorch()[1] or requirements.cuda_reason("Transformer Engine", q, returns_lse=False)
 
 
+def deterministic_reason(q: torch.Tensor) -> str | None:
+    """Why TE's attention would not run its deterministic backward here, or None. ``DotProductAttention`` takes no
+    flag: it reads ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (or torch's deterministic algorithms) when built, and
+    Megatron's own ``deterministic_mode`` refuses TE's attention without that variable."""
+    if os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0" or torch.are_deterministic_algorithms_enabled():
+        return None
+    return ("Transformer Engine runs a deterministic backward only with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 in the "
+            "environment (Megatron's deterministic_mode requires it too)")
+
+
 @functools.lru_cache(maxsize=16)
 def _module(dot_product_attention: type, heads: int, kv_heads: int, head_dim: int, scale: float):
     return dot_product_attention(
@@ -32,7 +43,8 @@ def _module(dot_product_attention: type, heads: int, kv_heads: int, head_dim: in
     )
 
 
-def attention(q, k, v, blocks, q_offset, scale):
+# deterministic (Megatron's deterministic_mode): chosen only where deterministic_reason allows it
+def attention(q, k, v, blocks, q_offset, scale, deterministic=False):
     te, _ = gpu.transformer_engine_pytorch()
     plan = varlen_plan(blocks, q.device)
     module = _module(te.DotProductAttention, q.shape[1], k.shape[1], q.shape[2], scale)

@@ -18,10 +18,12 @@ The keyword arguments changed between torch releases (``is_causal`` before ``win
 ``scale`` and ``enable_gqa`` added later); :func:`kernel_arguments` adapts the call to the
 installed signature. Grouped-query heads are never expanded: FlashAttention-2 reads key/value
 head ``h // (Hq // Hkv)`` for query head ``h`` natively, ``enable_gqa`` only lifts the wrapper's
-head-count check where it has one.
+head-count check where it has one. ``deterministic`` turns ``torch.use_deterministic_algorithms`` on for the
+backward call alone, the switch ``aten._flash_attention_backward`` reads instead of a flag.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable
@@ -78,12 +80,28 @@ def _documents_forward(q, keys, values, plan, scale):
     return out, lse
 
 
-def _documents_backward(dout, q, keys, values, out, lse, plan, scale):
+@contextlib.contextmanager
+def _deterministic_algorithms(deterministic: bool):
+    """``aten._flash_attention_backward`` takes no flag: it runs FlashAttention's deterministic backward where
+    ``torch.use_deterministic_algorithms(True)`` (not warn_only) is on when it is called; on for that call only."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if not deterministic or (enabled and not warn_only):
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def _documents_backward(dout, q, keys, values, out, lse, plan, scale, deterministic=False):
     _, backward = gpu.torch_flash_attention_ops()[0]
     # no dropout: the random state is unused, passed as torch's varlen_attn passes it
     rng_state, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
-    return backward(dout, q, keys, values, out, lse, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
-                    plan.max_seqlen_k, 0.0, True, rng_state, unused, scale=scale)
+    with _deterministic_algorithms(deterministic):
+        return backward(dout, q, keys, values, out, lse, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
+                        plan.max_seqlen_k, 0.0, True, rng_state, unused, scale=scale)
 
 
 def _documents(q, keys, values, plan, scale):

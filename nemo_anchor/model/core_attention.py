@@ -4,7 +4,9 @@ It keeps the constructor and forward contract of
 ``megatron.core.transformer.dot_product_attention.DotProductAttention`` (0.16.1) and adds what
 that module refuses: packed THD input with document/anchor masks, and context parallelism.
 The mask comes from ``mask`` (one of ``nemo_anchor.attention.MODES``), the structure of the
-pack from ``packed_seq_params`` (see :mod:`nemo_anchor.model.packed_seq`).
+pack from ``packed_seq_params`` (see :mod:`nemo_anchor.model.packed_seq`). The kernel is chosen at the first
+forward of each kind (device, dtype, gradient or not) and kept on the module: later calls check nothing again.
+Megatron's ``deterministic_mode`` reaches every backend's backward (``anchor_attention(deterministic=...)``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from nemo_anchor.attention import anchor_attention
-from nemo_anchor.attention.functional import log_backend_choice
+from nemo_anchor.attention.functional import ChosenBackend, choose_backend, log_backend_choice, needs_grad
 from nemo_anchor.attention.layout import PackLayout
 from nemo_anchor.model.packed_seq import packed_layout
 
@@ -65,6 +67,8 @@ class AnchorCoreAttention(MegatronModule):
         self.attention_type = attention_type
         self.mask = mask
         self.backend = backend
+        self.deterministic = bool(config.deterministic_mode)
+        self._chosen: dict[tuple, ChosenBackend] = {}  # (device, dtype, needs_grad) -> the backend chosen for it
         self.cp_comm_type = cp_comm_type or config.cp_comm_type or "a2a"
         head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -104,19 +108,29 @@ class AnchorCoreAttention(MegatronModule):
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _attend(self, q, k, v, layout: PackLayout):
-        self._log_backend_once(q)
+        backend = self._backend(q, k, v)
         cp_group = self.pg_collection.cp
         if cp_group is not None and cp_group.size() > 1:
             from nemo_anchor.parallel.context_parallel import context_parallel_attention
 
             return context_parallel_attention(
-                q, k, v, layout=layout, mask=self.mask, backend=self.backend,
-                softmax_scale=self.softmax_scale, cp_group=cp_group, comm_type=self.cp_comm_type,
+                q, k, v, layout=layout, mask=self.mask, backend=backend, softmax_scale=self.softmax_scale,
+                cp_group=cp_group, comm_type=self.cp_comm_type, deterministic=self.deterministic,
             )
-        return anchor_attention(q, k, v, layout=layout, mode=self.mask, backend=self.backend,
-                                softmax_scale=self.softmax_scale)
+        return anchor_attention(q, k, v, layout=layout, mode=self.mask, backend=backend,
+                                softmax_scale=self.softmax_scale, deterministic=self.deterministic)
 
-    def _log_backend_once(self, q):
+    def _backend(self, q, k, v) -> ChosenBackend:
+        """The backend for this kind of call, chosen at its first forward and kept (a dictionary look-up after)."""
+        grad = needs_grad(q, k, v)
+        kind = (q.device, q.dtype, grad)
+        chosen = self._chosen.get(kind)
+        if chosen is None:
+            chosen = self._chosen[kind] = choose_backend(self.backend, q, grad, self.mask, self.deterministic)
+            self._log_backend_once(chosen, q, grad)
+        return chosen
+
+    def _log_backend_once(self, chosen: ChosenBackend, q, grad: bool):
         """The first forward of each process says which kernel runs and why (rank 0): our trainer, NeMo and
         Bridge all build this module, so every front door says it."""
         if (self.mask, self.backend) in _LOGGED:
@@ -124,4 +138,4 @@ class AnchorCoreAttention(MegatronModule):
         _LOGGED.add((self.mask, self.backend))
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return
-        log_backend_choice(self.backend, self.mask, q, torch.is_grad_enabled() and q.requires_grad)
+        log_backend_choice(chosen, self.mask, q, grad, self.deterministic)

@@ -59,10 +59,11 @@ def context_parallel_attention(
     *,
     layout: PackLayout | None = None,
     mask: str,
-    backend: str = "auto",
+    backend="auto",
     softmax_scale: float | None = None,
     cp_group,
     comm_type: str = "a2a",
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """``anchor_attention`` over a pack whose tokens are spread over a context-parallel group.
 
@@ -77,8 +78,8 @@ def context_parallel_attention(
             multiples of ``2 * cp``.
         layout: instead of the two, the whole pack's
             :class:`~nemo_anchor.attention.layout.PackLayout`, read once for every layer.
-        mask, backend, softmax_scale: as ``mode``, ``backend``, ``softmax_scale`` of
-            :func:`nemo_anchor.attention.anchor_attention`.
+        mask, backend, softmax_scale, deterministic: as ``mode``, ``backend``, ``softmax_scale``,
+            ``deterministic`` of :func:`nemo_anchor.attention.anchor_attention`.
         cp_group: the context-parallel process group.
         comm_type: ``"a2a"`` (needs Hq and Hkv divisible by cp) or ``"all_gather"``.
 
@@ -91,7 +92,8 @@ def context_parallel_attention(
             that ``a2a`` cannot split, an unknown ``comm_type``.
     """
     cp_size = cp_group.size()
-    attend = functools.partial(anchor_attention, mode=mask, backend=backend, softmax_scale=softmax_scale)
+    attend = functools.partial(anchor_attention, mode=mask, backend=backend, softmax_scale=softmax_scale,
+                               deterministic=deterministic)
     if cp_size == 1:
         return attend(q, k, v, cu_seqlens, cu_windows=cu_windows, layout=layout)
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
