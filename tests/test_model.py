@@ -224,7 +224,7 @@ def test_layout_is_read_once_per_micro_batch_and_shared_by_every_layer(monkeypat
     from nemo_anchor.attention import cpu, layout as layout_module
     from nemo_anchor.model import core_attention
 
-    calls = {"boundaries": 0, "query_blocks": 0}
+    calls = {"boundaries": 0, "query_blocks": 0, "buckets": 0}
     seen_layouts = []
 
     def counting(name, function):
@@ -240,19 +240,17 @@ def test_layout_is_read_once_per_micro_batch_and_shared_by_every_layer(monkeypat
     anchor_attention = core_attention.anchor_attention
     monkeypatch.setattr(layout_module, "boundaries", counting("boundaries", layout_module.boundaries))
     monkeypatch.setattr(layout_module, "query_blocks", counting("query_blocks", layout_module.query_blocks))
+    monkeypatch.setattr(cpu, "_build_buckets", counting("buckets", cpu._build_buckets))
     monkeypatch.setattr(core_attention, "anchor_attention", recording_attention)
     model = _model(_cfg(num_layers=3, recompute="full"))
-    cpu._buckets.cache_clear()
     micro_batches = [_batch([0, 5, 20, 32, 40, 64], windows=2), _batch([0, 9, 32, 33, 50, 64], windows=2)]
     for number, batch in enumerate(micro_batches, start=1):
         b, t = batch["tokens"].shape
-        misses = cpu._buckets.cache_info().misses
         params = make_packed_seq_params(batch["cu_seqlens"], batch["cu_windows"], "anchor")
-        assert calls == {"boundaries": 2 * number, "query_blocks": number - 1}  # documents and windows, read here
+        assert calls == {"boundaries": 2 * number, "query_blocks": number - 1, "buckets": number - 1}  # read here
         model(input_ids=batch["tokens"].reshape(1, b * t), position_ids=batch["position_ids"].reshape(1, b * t),
               attention_mask=None, labels=batch["labels"].reshape(1, b * t), packed_seq_params=params).sum().backward()
-        assert calls == {"boundaries": 2 * number, "query_blocks": number}
-        assert cpu._buckets.cache_info().misses == misses + 1
+        assert calls == {"boundaries": 2 * number, "query_blocks": number, "buckets": number}
         assert len(seen_layouts) == 6 * number  # 3 layers, run again by the recompute in backward
         assert all(layout is params.layout for layout in seen_layouts[-6:])
 
