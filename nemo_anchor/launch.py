@@ -196,6 +196,16 @@ def cuda(asked_by: str | None = None) -> bool:
     return False
 
 
+def devices() -> str:
+    """What this process trains on, as a run's log says it (:func:`cuda`'s decision, so it refuses first where CUDA is
+    expected and absent): "accelerator gpu, N devices visible" or "accelerator cpu" and why."""
+    if cuda():
+        return f"accelerator gpu, {torch.cuda.device_count()} devices visible"
+    expected = cuda_expected()
+    return (f"accelerator cpu, fp32 over gloo ({ALLOW_CPU}=1 where {expected} expects CUDA)" if expected
+            else "accelerator cpu, fp32 over gloo (nothing here expects CUDA)")
+
+
 def model_settings(*, rope_allowed: bool) -> dict[str, bool]:
     """Each of :data:`DECIDED_AT_LAUNCH` as this process's devices decide: the fusions on where CUDA and
     Transformer Engine's kernels are (RoPE's only where ``rope_allowed``; weight-gradient accumulation also

@@ -237,3 +237,27 @@ def test_conversions_and_evaluations_on_a_gpu_node_torch_cannot_see_say_so_once_
     assert (tmp_path / "exported" / "config.json").is_file() and (tmp_path / "probe" / "probe.json").is_file()
     with pytest.raises(launch.CudaExpected):  # training in this process after them is still refused
         launch.cuda()
+
+
+def test_nemos_recipe_built_on_a_login_node_asks_for_the_gpu_where_it_trains(no_gpu_job, tmp_path):
+    """The recipe (accelerator "auto") decides nothing where it is built; its strategy, built by the training
+    process, refuses a GPU node torch cannot see, and says what it trains on."""
+    pytest.importorskip("nemo.collections.llm", reason="NeMo is not installed")
+    import fiddle as fdl
+
+    from nemo_anchor.nemo.recipes import anchor_smollm2_135m
+
+    strategy = anchor_smollm2_135m().trainer.strategy  # on the login node: no GPU, nothing expects one
+    assert launch.devices() == "accelerator cpu, fp32 over gloo (nothing here expects CUDA)"
+    node = node_tree(tmp_path / "gpu-node", GPU_NODE_FILES)
+    no_gpu_job.setenv(launch.DEVICE_ROOT, node)  # the node it trains on
+    with pytest.raises(launch.CudaExpected, match=rf"CUDA is expected here \(this node has {node}/dev/nvidia0\)"):
+        fdl.build(strategy)
+    no_gpu_job.setenv(launch.ALLOW_CPU, "1")
+    built = fdl.build(strategy)
+    assert built.async_save is False and built.parallel_load is False
+    assert launch.devices() == (f"accelerator cpu, fp32 over gloo ({launch.ALLOW_CPU}=1 where this node has "
+                                f"{node}/dev/nvidia0 expects CUDA)")
+    no_gpu_job.setattr(torch.cuda, "is_available", lambda: True)
+    no_gpu_job.setattr(torch.cuda, "device_count", lambda: 8)
+    assert launch.devices() == "accelerator gpu, 8 devices visible"
