@@ -4,10 +4,11 @@ Cluster users build a NeMo-Run recipe or a Megatron-Bridge ``ConfigContainer`` o
 GPUs and train it elsewhere. So the recipes leave every device-dependent setting unset (``None``) and
 the training process fills it here from the devices it sees:
 
-- whether it trains on CUDA at all (:func:`cuda`): where CUDA is expected (``CUDA_VISIBLE_DEVICES``
-  names devices, Slurm allocated GPUs, or the run asks for them) and torch sees no device, every
+- whether it trains on CUDA at all (:func:`cuda`): where CUDA is expected (:func:`cuda_expected`: the job
+  was given GPUs, the node has NVIDIA GPUs, or the run asks for them) and torch sees no device, every
   front door stops before its first step, naming torch's own reason; the CPU then takes
-  ``NEMO_ANCHOR_ALLOW_CPU=1``. Where nothing expects CUDA, no device means the CPU;
+  ``NEMO_ANCHOR_ALLOW_CPU=1``. Where nothing expects CUDA, no device means the CPU. The commands that
+  train nothing (conversions, evaluation: :func:`cpu_capable`) say once that the GPU is missing and go on;
 - Megatron's fusions (:data:`FUSIONS`) and CPU initialisation (:data:`DECIDED_AT_LAUNCH`, :func:`model_settings`):
   the fusions of Megatron-LM's Llama recipes on with CUDA and Transformer Engine (RoPE's only where
   :func:`rope_fusion_allowed`, weight-gradient accumulation only with apex's
@@ -23,8 +24,10 @@ without CUDA the weights are allocated on the CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -37,6 +40,16 @@ ALLOW_CPU = "NEMO_ANCHOR_ALLOW_CPU"
 # Slurm's GPU requests ([type:]count, comma-separated) and allocations (device indices)
 _SLURM_GPU_COUNTS = ("SLURM_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK")
 _SLURM_GPU_IDS = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+# the NVIDIA container runtime's devices (Docker's --gpus, Kubernetes' device plugin); "void" and "none" give none
+NVIDIA_VISIBLE = "NVIDIA_VISIBLE_DEVICES"
+_NVIDIA_NONE = ("void", "none")
+# where this node's devices are looked for: "/" (tests point it at a fake node's tree)
+DEVICE_ROOT = "NEMO_ANCHOR_DEVICE_ROOT"
+# the NVIDIA driver's signs of a GPU: a device node per GPU (not nvidiactl, nvidia-uvm), a /proc entry per bus id
+_NODE_GPUS = ("dev/nvidia[0-9]*", "proc/driver/nvidia/gpus/*")
+# every variable that decides whether CUDA is expected here (what a test clears to start from none)
+DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", *_SLURM_GPU_COUNTS, *_SLURM_GPU_IDS, NVIDIA_VISIBLE, ALLOW_CPU,
+                    DEVICE_ROOT)
 
 # Megatron's fusions that Megatron-LM's and NeMo's Llama recipes run on GPUs
 FUSIONS = ("bias_activation_fusion", "cross_entropy_loss_fusion", "persist_layer_norm", "apply_rope_fusion",
@@ -75,12 +88,26 @@ class CudaExpected(ValueError):
     """CUDA is expected in this process and torch sees no device (bad input for the command: one line)."""
 
 
-def cuda_expected(asked_by: str | None = None) -> str | None:
-    """What expects CUDA in this process (``NAME=value``), or None.
+def node_gpus(root: str | os.PathLike | None = None) -> str | None:
+    """The first NVIDIA GPU this node shows (its device node ``/dev/nvidiaN`` or the driver's
+    ``/proc/driver/nvidia/gpus/BUS_ID``), or None. ``root``: where to look (default ``$NEMO_ANCHOR_DEVICE_ROOT``, else /)."""
+    root = Path(root or os.environ.get(DEVICE_ROOT) or "/")
+    for pattern in _NODE_GPUS:
+        found = sorted(root.glob(pattern))
+        if found:
+            return str(found[0])
+    return None
 
-    ``asked_by``: a setting of the run that asks for GPUs, named by its front door (NeMo's
-    ``trainer.accelerator=gpu``, Bridge's ``dist.distributed_backend=nccl``). Else ``CUDA_VISIBLE_DEVICES``
-    naming a device (empty, ``-1`` or ``NoDevFiles`` hide them all: the CPU chosen), else Slurm's GPUs.
+
+def cuda_expected(asked_by: str | None = None) -> str | None:
+    """What expects CUDA in this process (``NAME=value``, or the node's GPU), or None.
+
+    In order: ``asked_by``, a setting of the run that asks for GPUs, named by its front door (Bridge's
+    ``dist.distributed_backend=nccl``); ``CUDA_VISIBLE_DEVICES`` naming a device (empty, ``-1`` or
+    ``NoDevFiles`` hide them all: the CPU chosen); Slurm's GPUs; ``NVIDIA_VISIBLE_DEVICES`` naming devices
+    ("all" included; "void" or "none" give the container none: the CPU chosen); the node's own GPUs
+    (:func:`node_gpus`), which a job started without a scheduler's variables (bare-metal torchrun, a node
+    given whole) still expects to use.
     """
     if asked_by:
         return asked_by
@@ -96,7 +123,13 @@ def cuda_expected(asked_by: str | None = None) -> str | None:
     for name in _SLURM_GPU_IDS:
         if os.environ.get(name, "").strip():
             return f"{name}={os.environ[name]}"
-    return None
+    container = os.environ.get(NVIDIA_VISIBLE, "").strip()
+    if container.lower() in _NVIDIA_NONE:
+        return None  # the driver's /proc entries show through a container given no GPU
+    if container:
+        return f"{NVIDIA_VISIBLE}={os.environ[NVIDIA_VISIBLE]}"
+    device = node_gpus()
+    return f"this node has {device}" if device else None
 
 
 def cpu_chosen() -> bool:
@@ -122,14 +155,38 @@ def _cuda_error() -> str:
 
 
 _cpu_announced = False
+_cpu_capable: list[str] = []  # the commands running that need no GPU (cpu_capable), innermost last
+
+
+@contextlib.contextmanager
+def cpu_capable(command: str):
+    """Run ``command``, which trains nothing (a conversion, an evaluation), on the CPU where CUDA is expected
+    and torch sees no device: it says so in one warning line on entry and goes on, where a training door stops
+    (:func:`cuda`). That is when a user wants the weights out of a node whose GPUs are lost.
+
+    Raises:
+        ValueError: ``NEMO_ANCHOR_ALLOW_CPU`` has another value than 1/true/yes/0/false/no.
+    """
+    cpu_chosen()
+    if not _cpu_capable and not torch.cuda.is_available():
+        expected = cuda_expected()
+        if expected:
+            logger.warning("%s: warning: CUDA is expected here (%s) but torch sees no CUDA device: %s; running on the CPU",
+                           command, expected, _cuda_error())
+    _cpu_capable.append(command)
+    try:
+        yield
+    finally:
+        _cpu_capable.pop()
 
 
 def cuda(asked_by: str | None = None) -> bool:
     """Whether this process trains on CUDA: torch sees a device.
 
     Raises:
-        CudaExpected: CUDA is expected here (:func:`cuda_expected`) and torch sees no device, and
-            ``NEMO_ANCHOR_ALLOW_CPU`` does not choose the CPU: one line naming what expects CUDA and torch's reason.
+        CudaExpected: CUDA is expected here (:func:`cuda_expected`) and torch sees no device, outside a
+            :func:`cpu_capable` command, and ``NEMO_ANCHOR_ALLOW_CPU`` does not choose the CPU: one line naming
+            what expects CUDA and torch's reason.
         ValueError: ``NEMO_ANCHOR_ALLOW_CPU`` has another value than 1/true/yes/0/false/no.
     """
     global _cpu_announced
@@ -137,14 +194,26 @@ def cuda(asked_by: str | None = None) -> bool:
     if torch.cuda.is_available():
         return True
     expected = cuda_expected(asked_by)
-    if expected and not allowed:
+    if not expected or _cpu_capable:  # a CPU-capable command said so on entry
+        return False
+    if not allowed:
         raise CudaExpected(f"CUDA is expected here ({expected}) but torch sees no CUDA device: {_cuda_error()}; "
                            f"run where the GPUs are visible, or set {ALLOW_CPU}=1 to train on the CPU (fp32 over gloo)")
-    if expected and not _cpu_announced:
+    if not _cpu_announced:
         logger.warning("CUDA is expected here (%s) but torch sees no CUDA device; %s=1: training on the CPU",
                        expected, ALLOW_CPU)
         _cpu_announced = True
     return False
+
+
+def devices() -> str:
+    """What this process trains on, as a run's log says it (:func:`cuda`'s decision, so it refuses first where CUDA is
+    expected and absent): "accelerator gpu, N devices visible" or "accelerator cpu" and why."""
+    if cuda():
+        return f"accelerator gpu, {torch.cuda.device_count()} devices visible"
+    expected = cuda_expected()
+    return (f"accelerator cpu, fp32 over gloo ({ALLOW_CPU}=1 where {expected} expects CUDA)" if expected
+            else "accelerator cpu, fp32 over gloo (nothing here expects CUDA)")
 
 
 def model_settings(*, rope_allowed: bool) -> dict[str, bool]:

@@ -44,8 +44,17 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SMOKE=0
-if [ "${1:-}" = "--cpu-smoke" ]; then SMOKE=1; shift; fi
-OUT=${1:-gpu_suite_out}
+OUT=
+for arg in "$@"; do  # a mistyped option would otherwise be taken for OUTPUT_DIR and run nothing it was asked to
+    case $arg in
+        --cpu-smoke) SMOKE=1 ;;
+        -*) echo "gpu_suite: error: unknown option $arg (usage: bash scripts/gpu_suite.sh [--cpu-smoke] [OUTPUT_DIR])" >&2
+            exit 2 ;;
+        *) [ -n "$OUT" ] && { echo "gpu_suite: error: a second OUTPUT_DIR $arg (the first: $OUT)" >&2; exit 2; }
+           OUT=$arg ;;
+    esac
+done
+OUT=${OUT:-gpu_suite_out}
 PREVIOUS=${PREVIOUS_TREE:-.previous}
 SCALE=1  # of every time limit: the toy sizes of --cpu-smoke take longer on a small CPU than the real ones on a GPU
 [ $SMOKE = 1 ] && SCALE=10

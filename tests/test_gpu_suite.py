@@ -259,3 +259,15 @@ def test_cpu_smoke_runs_every_part_and_imports_only_what_the_gpu_machine_has(tmp
     unchecked = {name for name in needed if not any(name == package or name.startswith(package + ".")
                                                     for package in check.SUITE_PACKAGES)}
     assert needed and not unchecked, f"imported by the suite, not in SUITE_PACKAGES: {sorted(unchecked)}"
+
+
+@pytest.mark.parametrize("argv, named", [(["--cpu-smok"], "unknown option --cpu-smok"),
+                                         (["-x", "out"], "unknown option -x"),
+                                         (["out", "--cpu-smoke", "more"], "a second OUTPUT_DIR more")])
+def test_a_mistyped_option_is_refused_in_one_line_before_anything_runs(argv, named):
+    """Before, ``--cpu-smok`` was taken for OUTPUT_DIR: the suite was "skipped" without CUDA, exit 0, nothing run."""
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_suite.sh"), *argv], env={**os.environ, "PYTHON": "false"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr.splitlines() == [done.stderr.strip()] and f"gpu_suite: error: {named}" in done.stderr
+    assert not any((REPO / name).exists() for name in argv)

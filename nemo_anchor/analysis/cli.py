@@ -42,9 +42,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nemo_anchor import launch
     from nemo_anchor.checksums import verification
 
-    with verification(args.verify):  # a --checkpoint's files against its checksums, unless --no-verify
+    # a --checkpoint's files against its checksums, unless --no-verify; on the CPU where an expected GPU is missing
+    with verification(args.verify), launch.cpu_capable("nemo-anchor probe"):
         return _run(args)
 
 

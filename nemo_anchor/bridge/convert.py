@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from nemo_anchor import launch
 from nemo_anchor.bridge.provider import AnchorGPTModelProvider
 from nemo_anchor.convert.hf_mapping import check_hf_dir
 from nemo_anchor.parallel.distributed import initialize_parallel
@@ -117,10 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     to_hf.add_argument("megatron_dir")
     to_hf.add_argument("hf_dir")
     args = parser.parse_args(argv)
-    if args.command == "import-hf":
-        print(import_hf(args.hf_dir, args.out_dir, args.attention_type))
-    else:
-        print(export_hf(args.megatron_dir, args.hf_dir))
+    with launch.cpu_capable(f"{parser.prog} {args.command}"):  # converts on the CPU where an expected GPU is missing
+        if args.command == "import-hf":
+            print(import_hf(args.hf_dir, args.out_dir, args.attention_type))
+        else:
+            print(export_hf(args.megatron_dir, args.hf_dir))
 
 
 if __name__ == "__main__":

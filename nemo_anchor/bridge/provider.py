@@ -83,7 +83,8 @@ class AnchorGPTModelProvider(AnchorConfigMixin, GPTModelProvider):
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, vocab_size: int, *, bf16: bool = False) -> "AnchorGPTModelProvider":
         """The provider of the model ``nemo-anchor train`` builds for our ``model:`` section ``cfg``."""
-        ours = transformer_config(cfg, bf16=bf16)
+        # the devices are the training process's to decide (finalize): not asked where the recipe is built
+        ours = transformer_config(cfg, bf16=bf16, device_settings=dict.fromkeys(launch.DECIDED_AT_LAUNCH, False))
         fields = {f.name: getattr(ours, f.name) for f in dataclasses.fields(TransformerConfig)
                   if f.init and f.name not in launch.DECIDED_AT_LAUNCH}
         yarn = {k: getattr(ours, k) for k in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",

@@ -68,9 +68,11 @@ def hf_model_dir(value: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nemo_anchor import launch
     from nemo_anchor.checksums import verification
 
-    with verification(args.verify):  # every checkpoint's files against its checksums, unless --no-verify
+    # every checkpoint's files against its checksums, unless --no-verify; on the CPU where an expected GPU is missing
+    with verification(args.verify), launch.cpu_capable("nemo-anchor eval"):
         return _run(args)
 
 

@@ -52,20 +52,26 @@ def add_verify_argument(parser: argparse.ArgumentParser) -> None:
 def run_export(args: argparse.Namespace) -> int:
     import torch
 
+    from nemo_anchor import launch
     from nemo_anchor.export.hf import export_hf
     from nemo_anchor.checksums import verification
 
     def export():
-        with verification(args.verify):
+        with verification(args.verify), launch.cpu_capable("nemo-anchor export-hf"):
             return export_hf(args.checkpoint, args.out_dir, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
 
     return _printing(export)
 
 
 def run_import(args: argparse.Namespace) -> int:
+    from nemo_anchor import launch
     from nemo_anchor.export.hf import import_hf
 
-    return _printing(lambda: import_hf(args.hf_dir, args.out, overwrite=args.overwrite))
+    def imported():
+        with launch.cpu_capable("nemo-anchor import-hf"):
+            return import_hf(args.hf_dir, args.out, overwrite=args.overwrite)
+
+    return _printing(imported)
 
 
 def run_prepare_smollm2(args: argparse.Namespace) -> int:

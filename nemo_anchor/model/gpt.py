@@ -53,10 +53,14 @@ def _recompute_settings(cfg: ModelConfig) -> dict:
     return {}
 
 
-def transformer_config(cfg: ModelConfig, *, bf16: bool = False) -> AnchorTransformerConfig:
+def transformer_config(cfg: ModelConfig, *, bf16: bool = False,
+                       device_settings: dict[str, bool] | None = None) -> AnchorTransformerConfig:
     """Megatron's config of the model, with what this process's devices decide (``nemo_anchor.launch``: the
     fusions of Megatron-LM's Llama recipes on a GPU with Transformer Engine, RoPE's where it is exact; the
-    fused weight-gradient accumulation writes Megatron's DDP's ``main_grad``, which every door trains with)."""
+    fused weight-gradient accumulation writes Megatron's DDP's ``main_grad``, which every door trains with).
+
+    ``device_settings``: :data:`nemo_anchor.launch.DECIDED_AT_LAUNCH` as given, the devices unasked, for a recipe
+    built where it does not train (Bridge's provider leaves them to its training process)."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     return AnchorTransformerConfig(
         num_layers=cfg.num_layers,
@@ -78,7 +82,7 @@ def transformer_config(cfg: ModelConfig, *, bf16: bool = False) -> AnchorTransfo
         params_dtype=torch.float32,  # built in fp32; bf16 runs wrap the model in Megatron's Float16Module
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         perform_initialization=True,
-        **launch.model_settings(rope_allowed=launch.rope_fusion_allowed(cfg)),
+        **(device_settings or launch.model_settings(rope_allowed=launch.rope_fusion_allowed(cfg))),
         masked_softmax_fusion=False,  # the core attention computes its own softmax
         bias_dropout_fusion=False,
         tensor_model_parallel_size=tp,

@@ -18,6 +18,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from nemo import lightning as nl
 from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
+from nemo.utils import logging
 
 from nemo_anchor import launch
 from nemo_anchor.training import optimizer_state
@@ -30,6 +31,8 @@ class AnchorMegatronStrategy(nl.MegatronStrategy):
 
     def __init__(self, *args, ckpt_async_save: Optional[bool] = None, ckpt_parallel_load: Optional[bool] = None,
                  **kwargs):
+        # built by the training process (the recipe's accelerator "auto" chose nothing): its devices first, said once
+        logging.info(f"nemo-anchor: {launch.devices()}")
         super().__init__(*args, ckpt_async_save=launch.async_save() if ckpt_async_save is None else ckpt_async_save,
                          ckpt_parallel_load=launch.cuda() if ckpt_parallel_load is None else ckpt_parallel_load,
                          **kwargs)

@@ -27,7 +27,7 @@ from nemo_anchor.parallel.context_parallel import batch_for_this_rank
 from nemo_anchor.parallel.distributed import ParallelContext, initialize_parallel
 from nemo_anchor.run_dir import RunDir, checkpoint_step, read_run_config
 from nemo_anchor.run_lease import RunClaim, RunDirInUse, RunGuard
-from nemo_anchor import checksums
+from nemo_anchor import checksums, launch
 from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training import memory, preemption, resume, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
@@ -67,6 +67,7 @@ class Trainer:
         m, t = config.model, config.trainer
         if t.num_threads:
             torch.set_num_threads(t.num_threads)
+        launch.cuda()  # a GPU job that sees no GPU stops first, before the inputs are read (CudaExpected)
         self._check_output_dir()
         self.dataset, self.valid, vocab_size = self._open_data()
         self.ctx: ParallelContext = initialize_parallel(

@@ -5,7 +5,8 @@
 - A job given GPUs that torch cannot see (``CUDA_VISIBLE_DEVICES=0`` on this machine), or a run asking for NCCL,
   stops before its first step with one line naming CUDA and torch's error; with ``NEMO_ANCHOR_ALLOW_CPU=1`` it
   trains on the CPU (the SIGUSR1 run above is that job). The other variables that give a job GPUs (Slurm's)
-  reach the same ``launch.cuda()``: tests/test_gpu_expected.py refuses each of them.
+  reach the same ``launch.cuda()``: tests/test_gpu_expected.py refuses each of them. So does a node with an NVIDIA
+  GPU (a fake node's tree under ``NEMO_ANCHOR_DEVICE_ROOT``), where Bridge's conversions say so once and convert.
 
 Skipped where Megatron-Bridge is not installed.
 """
@@ -30,8 +31,6 @@ from tiny_runs import pack_texts  # noqa: E402  tests/tiny_runs.py
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
          "How vexingly quick daft zebras jump; " * 9, "Waltz, bad nymph, for quick jigs vex. " * 12] * 6
-DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", launch.ALLOW_CPU, "SLURM_GPUS", "SLURM_GPUS_ON_NODE",
-                    "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,7 @@ def run_config(tmp_path_factory):
 
 
 def environment(**variables) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in DEVICE_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in launch.DEVICE_VARIABLES}
     return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **variables}
 
 
@@ -129,3 +128,39 @@ def test_a_gpu_job_that_sees_no_gpu_stops_before_its_first_step(run_config, aske
     assert errors[0].startswith(f"python -m nemo_anchor.bridge.pretrain: error: CUDA is expected here ({expected})")
     assert _torch_reason() in errors[0] and launch.ALLOW_CPU in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def gpu_node_torch_cannot_see(monkeypatch, tmp_path):
+    """This process as a job on a node with an NVIDIA GPU (its device node) that torch does not see."""
+    for name in launch.DEVICE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "node" / "dev").mkdir(parents=True)
+    (tmp_path / "node" / "dev" / "nvidia0").write_text("")
+    monkeypatch.setenv(launch.DEVICE_ROOT, str(tmp_path / "node"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return f"this node has {tmp_path / 'node' / 'dev' / 'nvidia0'}"
+
+
+def test_bridges_recipe_refuses_a_gpu_node_torch_cannot_see_where_it_trains(gpu_node_torch_cannot_see):
+    from nemo_anchor.bridge.recipes import anchor_smollm2_135m
+
+    config = anchor_smollm2_135m()  # built anywhere: the devices are decided by resolve_bridge_config
+    with pytest.raises(launch.CudaExpected, match=f"CUDA is expected here \\({gpu_node_torch_cannot_see}\\)"):
+        launch.resolve_bridge_config(config)
+
+
+def test_bridges_conversions_on_a_gpu_node_torch_cannot_see_say_so_once_and_convert(gpu_node_torch_cannot_see,
+                                                                                  tiny_byte_llama, tmp_path, caplog):
+    from nemo_anchor.bridge import convert
+
+    hf = tiny_byte_llama(tmp_path / "hf")
+    for argv in (["import-hf", str(hf), str(tmp_path / "megatron")],
+                 ["export-hf", str(tmp_path / "megatron"), str(tmp_path / "back")]):
+        caplog.clear()
+        convert.main(argv)
+        said = [r.getMessage() for r in caplog.records if "CUDA is expected" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith(
+            f"python -m nemo_anchor.bridge.convert {argv[0]}: warning: CUDA is expected here "
+            f"({gpu_node_torch_cannot_see}) but torch sees no CUDA device: "), said
+    assert (tmp_path / "back" / "config.json").is_file()
