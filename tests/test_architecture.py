@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nemo_anchor"
 # Top-level modules (nemo_anchor/atomic.py ...) are named by their file; subpackages by their folder.
 LAYERS = (
     # shared utilities; launch: what the training process's devices decide
-    ("atomic", "cache", "checksums", "command", "compat", "cpu_bf16", "gpu", "hf_dir", "launch", "run_dir"),
+    ("atomic", "cache", "checksums", "command", "compat", "cpu_bf16", "gpu", "hf_dir", "launch", "run_dir",
+     "run_lease"),
     ("attention", "data"),  # the functional attention API; files -> packed windows (no Megatron)
     ("parallel",),  # process groups, context parallelism, Megatron-Core's CPU shims
     ("model",),  # AnchorCoreAttention, layer specs, the GPT builder
