@@ -25,17 +25,30 @@ BRIDGE_TESTS=(
 # NeMo's own CLI in new processes (each starts NeMo: 20 s of imports)
 NEMO_RUN_TESTS=(tests/test_nemo_run.py)
 # several-rank launches, signals to torchrun, the GPU suite's CPU smoke: the other heavy half of .venv
+# (test_slurm_cluster.py: train.sbatch on a real local Slurm cluster, mostly waiting: ~8 min wall, ~180 CPU s)
 LAUNCH_TESTS=(
   tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
-  tests/test_gpu_suite.py
+  tests/test_gpu_suite.py tests/test_slurm_cluster.py
 )
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
 # spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 LOGS="$(mktemp -d)"
 background=()
-# the background lanes have sessions of their own: stopped with all their processes if this script stops first
-trap 'for pid in "${background[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done; rm -rf "$LOGS"' EXIT
+# The local Slurm cluster of tests/test_slurm_cluster.py (scripts/slurm/local_cluster.sh): Slurm and munge installed
+# here when root and missing; without them (or root) its tests skip, saying why.
+if [ "$(id -u)" = 0 ] && ! command -v slurmctld > /dev/null && command -v apt-get > /dev/null; then
+  echo "[test] installing slurm-wlm and munge for the local Slurm cluster"
+  apt-get install -y -qq slurm-wlm munge > "$LOGS/apt.log" 2>&1 \
+    || (apt-get update -qq && apt-get install -y -qq slurm-wlm munge) >> "$LOGS/apt.log" 2>&1 \
+    || { echo "[test] apt-get could not install slurm-wlm munge: the Slurm cluster tests skip"; tail -3 "$LOGS/apt.log"; }
+fi
+export NEMO_ANCHOR_SLURM_DIR="$LOGS/slurm"
+LOCAL_CLUSTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/slurm/local_cluster.sh"
+# the background lanes have sessions of their own: stopped with all their processes if this script stops first;
+# the Slurm cluster is brought down even if its lane could not
+trap 'for pid in "${background[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
+      bash "$LOCAL_CLUSTER" down "$NEMO_ANCHOR_SLURM_DIR"; rm -rf "$LOGS"' EXIT
 
 pytest_args=(-q -p no:cacheprovider --durations=15)
 in_background() {  # in_background NAME PYTHON ARGS...: pytest in its own session, output in $LOGS/NAME.log

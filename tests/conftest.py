@@ -52,3 +52,31 @@ def preloaded():
     yield server
     for started in servers.values():
         started.close()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real Slurm cluster on this machine, shared by the session: slurmctld and three slurmd, each node with its
+    own address and hostname (``scripts/slurm/local_cluster.sh``); its folder, with ``slurm.conf`` there. Stopped
+    and removed at the session's end. Skips, saying why, where one cannot start (not root, Slurm or munge not
+    installed: scripts/test.sh installs them as root, namespaces refused); NEMO_ANCHOR_SLURM_DIR chooses the folder
+    (scripts/test.sh's exit trap brings it down too)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tiny_runs import REPO
+
+    script = REPO / "scripts/slurm/local_cluster.sh"
+    why = subprocess.run(["bash", str(script), "check"], capture_output=True, text=True, timeout=60)
+    if why.returncode != 0:
+        pytest.skip(f"no local Slurm cluster: {why.stdout.strip() or why.stderr.strip()}")
+    where = os.environ.get("NEMO_ANCHOR_SLURM_DIR")
+    folder = Path(where) if where else tmp_path_factory.mktemp("slurm")
+    subprocess.run(["bash", str(script), "down", str(folder)], check=True, timeout=120)  # a stale one first
+    up = subprocess.run(["bash", str(script), "up", str(folder)], capture_output=True, text=True, timeout=180)
+    try:
+        assert up.returncode == 0, f"local_cluster.sh up failed: {up.stderr[-3000:]}"
+        yield folder
+    finally:
+        subprocess.run(["bash", str(script), "down", str(folder)], timeout=120)

@@ -1,8 +1,9 @@
 """``scripts/slurm/train.sbatch`` hands the overrides typed after it to the trainer unchanged.
 
 The script runs as Slurm runs a batch script (bash, with the job's variables); ``srun``, ``scontrol`` and
-``torchrun`` on its PATH are the thinnest stand-ins that keep what the script is responsible for: srun runs its
-command once, as a one-node job's task, and torchrun records the arguments it was given. What torchrun and the
+``python`` (which runs scripts/slurm/torchrun.py, torchrun) on its PATH are the thinnest stand-ins that keep what
+the script is responsible for: srun runs its command once, as a one-node job's task, and python records the
+arguments it was given. tests/test_slurm_cluster.py runs the script on a real Slurm cluster. What torchrun and the
 trainer do with them is tested elsewhere (tests/test_cluster.py).
 """
 import os
@@ -16,7 +17,7 @@ STANDINS = {
     # srun's options end where its command begins ("bash" here)
     "srun": '#!/bin/bash\nwhile [ "$1" != bash ]; do shift; done\nexec "$@"\n',
     "scontrol": '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && echo node0\n',
-    "torchrun": '#!/bin/bash\nprintf "%s\\0" "$@" > "$ARGV_FILE"\n',
+    "python": '#!/bin/bash\nprintf "%s\\0" "$@" > "$ARGV_FILE"\n',
 }
 
 
@@ -38,6 +39,7 @@ def test_overrides_reach_torchrun_as_typed(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert argv[0] == "scripts/slurm/torchrun.py"
     assert argv[argv.index("--config") + 1:] == ["configs/my run.yaml", *overrides]
     assert argv[argv.index("--master-addr") + 1] == "node0"
     assert argv[argv.index("--nproc-per-node") + 1] == "8"
