@@ -4,7 +4,7 @@
 #   .venv-bridge  the Megatron-Bridge tests and our trainer / pack / export-hf / probe / eval tests on
 #                 megatron-core 0.19.2 + transformers 5 (BRIDGE_TESTS below)
 # NEMO_ANCHOR_SKIP_BRIDGE=1 skips the .venv-bridge lane for quick local runs; CI (CI=true) always runs it.
-# Four pytest lanes go side by side on the two cores (docs/testing.md says why and what each costs); the first
+# Five pytest lanes go side by side on the two cores (docs/testing.md says why and what each costs); the first
 # prints live, the others' outputs follow it. Each ends with its 15 slowest tests.
 # The exit status is non-zero when any lane fails; the last line adds them up.
 set -euo pipefail
@@ -25,11 +25,13 @@ BRIDGE_TESTS=(
 # NeMo's own CLI in new processes (each starts NeMo: 20 s of imports)
 NEMO_RUN_TESTS=(tests/test_nemo_run.py)
 # several-rank launches, signals to torchrun, the GPU suite's CPU smoke: the other heavy half of .venv
-# (test_slurm_cluster.py: train.sbatch on a real local Slurm cluster, mostly waiting: ~8 min wall, ~180 CPU s)
 LAUNCH_TESTS=(
   tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
-  tests/test_gpu_suite.py tests/test_slurm_cluster.py
+  tests/test_gpu_suite.py
 )
+# train.sbatch on a real local Slurm cluster: mostly waiting on the scheduler (~8 min wall, ~180 CPU s), so a lane
+# of its own, started first
+SLURM_TESTS=(tests/test_slurm_cluster.py)
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
 # spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -59,6 +61,7 @@ in_background() {  # in_background NAME PYTHON ARGS...: pytest in its own sessio
   echo "[test] $name: running in the background; its output follows"
 }
 
+in_background venv-slurm python "${SLURM_TESTS[@]}" "$@"
 if [ "${NEMO_ANCHOR_SKIP_BRIDGE:-0}" = 1 ] && [ "${CI:-false}" != true ]; then
   echo "[test] NEMO_ANCHOR_SKIP_BRIDGE=1: .venv-bridge not run"
 else
@@ -68,10 +71,11 @@ fi
 echo "[test] environments ready after ${SECONDS}s"
 in_background venv-nemo-run python "${NEMO_RUN_TESTS[@]}" "$@"
 in_background venv-launch python "${LAUNCH_TESTS[@]}" "$@"
-venv_lanes=("${background[@]: -2}")  # pytest args (-k) may leave one of these with no test: exit 5 there is fine
+venv_lanes=("${background[0]}" "${background[@]: -2}")  # -k may leave one of these with no test: exit 5 is fine
 set +e
 status=0
-python -m pytest "${pytest_args[@]}" tests "${NEMO_RUN_TESTS[@]/#/--ignore=}" "${LAUNCH_TESTS[@]/#/--ignore=}" "$@" \
+python -m pytest "${pytest_args[@]}" tests "${NEMO_RUN_TESTS[@]/#/--ignore=}" "${LAUNCH_TESTS[@]/#/--ignore=}" \
+  "${SLURM_TESTS[@]/#/--ignore=}" "$@" \
   2>&1 | tee "$LOGS/venv.log"
 code="${PIPESTATUS[0]}"
 [ "$code" = 0 ] || { [ "$code" = 5 ] && [ $# -gt 0 ]; } || status=1
