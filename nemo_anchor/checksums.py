@@ -51,7 +51,7 @@ class CheckpointError(ValueError):
 
 
 def crc32_file(path: str | os.PathLike) -> int:
-    """CRC-32 of a file's bytes (what checkpoints of earlier versions recorded), read in 16 MiB chunks (zlib releases the GIL: a thread can do this)."""
+    """CRC-32 of a file's bytes (what checkpoints of earlier versions recorded), read in 16 MiB chunks."""
     crc = 0
     with open(path, "rb") as handle:
         while chunk := handle.read(CHUNK):

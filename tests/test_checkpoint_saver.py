@@ -3,6 +3,7 @@
 The asynchronous save is Megatron's own (dist_checkpointing's async_sharded_save on an AsyncCallsQueue, its
 writer a forked process); it needs CUDA only to synchronize the device and to all-reduce the finished call's
 index, so here those two calls are stood in for on the CPU and everything else runs as on a GPU machine."""
+import json
 import threading
 
 import pytest
@@ -49,7 +50,7 @@ def test_the_async_save_writes_the_checkpoints_the_synchronous_save_writes_and_r
         assert all(torch.equal(sync[step][name], asynchronous[step][name]) for name in sync[step])
     for path in RunDir(tmp_path / "async").list_checkpoints():
         checksums.verify_files(path)  # digested as written, read back in the background, every file covered
-        assert (path / checksums.CHECKSUMS).is_file()
+        assert json.loads((path / checksums.CHECKSUMS).read_text())[checksums.RECORDED] == checksums.AS_WRITTEN
     assert RunDir(tmp_path / "async").latest_file.read_text() == "4"
     capsys.readouterr()
     assert train_tiny(tmp_path / "async", data, "checkpoint.async_save=true", max_steps=6) == 0

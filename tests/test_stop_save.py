@@ -35,11 +35,11 @@ from tiny_runs import child_environment, free_port, pack_texts, tiny_config  # t
 EXIT_PREEMPTED = 75
 MICROBATCHES = 4  # per step: global batch 4, micro-batch 1, one process
 STOP_IN = 5  # the signal comes between the first and the second micro-batch of this step
-HELD = 3  # the checksum pass of this scheduled save (save_every=3) never ends
+HELD = 3  # the read-back of this scheduled save (save_every=3) never ends
 
 # `nemo-anchor train` with three observers a test cannot get from outside: when the signal arrived, which files
 # were read for a checksum after it, and a pause inside step STOP_IN until the signal is there (so that it
-# arrives mid-step on a busy machine); the checksum pass of checkpoint HELD is held for good
+# arrives mid-step on a busy machine); the read-back of checkpoint HELD is held for good
 _OBSERVED = f'''
 import os, sys, threading, time
 from pathlib import Path
@@ -129,7 +129,7 @@ def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_an
             os.killpg(process.pid, signal.SIGTERM)  # the whole group, as Slurm and Kubernetes deliver it
         else:
             process.send_signal(signal.SIGTERM)  # torchrun forwards it to each worker's process group
-        output = process.communicate(timeout=180)[0]  # today's main waits here for the held checksum pass
+        output = process.communicate(timeout=180)[0]  # an older main waited here for the held read-back
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

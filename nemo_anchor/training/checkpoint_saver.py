@@ -55,8 +55,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from nemo_anchor.atomic import atomic_file, durable_replace, fsync_file, write_faults_named
-from nemo_anchor.checksums import (AS_WRITTEN, READ_BACK, CheckpointError, ContentDigest, _rank, _world, broadcast_from_first,
-                                   file_digests, gather_from_all, say_once, write_manifest)
+from nemo_anchor.checksums import (AS_WRITTEN, READ_BACK, CheckpointError, ContentDigest, _rank, _world,
+                                   broadcast_from_first, file_digests, gather_from_all, say_once, write_manifest)
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import optimizer_state
 from nemo_anchor.training.checkpoint import MODEL_PREFIX, PENDING, SCHEDULED, layout, rng_object, rng_state
