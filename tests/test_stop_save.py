@@ -141,8 +141,9 @@ def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_an
     assert [checkpoint_step(path) for path in checkpoints] == [HELD, completed], output[-3000:]
     assert RunDir(run).latest_file.read_text() == str(completed)
     assert max(_losses(run)) == completed  # the step the signal interrupted is neither logged nor saved
-    # written once, read back never: no file was read back after the signal, and both checkpoints (the stop's and
-    # the scheduled one whose read-back was abandoned) are published with the digests made as they were written
+    # written once, read back never: no file was read back after the signal (the kilobytes of metadata the main
+    # process writes are digested right after, from the page cache, not by the read-back), and both checkpoints (the
+    # stop's and the scheduled one whose read-back was abandoned) are published with the digests made as written
     assert not (events / "read_after_signal").exists(), (events / "read_after_signal").read_text()
     for path in checkpoints:
         assert json.loads((path / checksums.CHECKSUMS).read_text())[checksums.RECORDED] == checksums.AS_WRITTEN
