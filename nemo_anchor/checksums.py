@@ -1,13 +1,21 @@
 """Checksums of written files, one owner for both kinds:
 
-- a checkpoint's ``checksums.json``: ``{file: [bytes, CRC-32]}`` (zlib; computed on a thread after the write,
-  see :class:`nemo_anchor.training.checkpoint.CheckpointSaver`);
+- a checkpoint's ``checksums.json``: ``{file: [bytes, "xxh3-128:HEX"]}``, and ``recorded``, how (:data:`RECORDED`).
+  Each shard's digest is computed from the bytes as Megatron's writer writes them (its ``open`` wrapped:
+  :func:`nemo_anchor.training.checkpoint_saver.digested_writes`), never read back, so that a stop's checkpoint,
+  which has no time to read 100 GB back, is protected from its save on: damage on the disk before the next start
+  (a flipped byte, the size unchanged) is caught by the next read. The few small files written in the main
+  process (``.metadata``, ``common.pt``, ``metadata.json``, ``config.yaml``: kilobytes) are digested right after
+  they are written, from the page cache. Hashing the file bytes, not the tensors, keeps the check layout-free: a
+  checkpoint is verified file by file without a model or the layout it was saved in, as before. Checkpoints of
+  earlier versions record ``[bytes, CRC-32]`` (zlib), still verified;
 - a packed dataset's ``metadata.json`` ``checksums``: ``{file: [bytes, "xxh3-128:HEX"]}``, the tokens hashed
-  from the buffers as ``pack`` writes them. XXH3 is used there because it costs pack nothing measurable:
-  on this project's CPU it hashed 22-28 GB/s against 1-3.8 GB/s for zlib's CRC-32 (0.2-0.5 GB/s for
-  SHA-256 and BLAKE2b), while a pack writes 0.5-0.7 GB/s of tokens (scripts/bench_data.py, table 4).
-Both catch any change that was not made on purpose to collide: damaged files, data that is not what a run
-trained on.
+  from the buffers as ``pack`` writes them.
+
+XXH3 is used for both because it costs a writer nothing measurable: on this project's CPU it hashed 22-28 GB/s
+against 1-3.8 GB/s for zlib's CRC-32 (0.2-0.5 GB/s for SHA-256 and BLAKE2b), while a pack writes 0.5-0.7 GB/s
+of tokens (scripts/bench_data.py, table 4). Both catch any change that was not made on purpose to collide:
+damaged files, data that is not what a run trained on.
 
 Every reader of a checkpoint verifies it here first (:func:`verified_checkpoint`), the ranks sharing one read.
 """
@@ -25,10 +33,17 @@ from typing import Callable
 import torch.distributed as dist
 import xxhash
 
+from nemo_anchor.atomic import atomic_file
 from nemo_anchor.run_dir import checkpoints_of, is_checkpoint_dir
 
 CHUNK = 16 << 20
-CHECKSUMS = "checksums.json"  # {file: [bytes, CRC-32]} of every other file of the checkpoint, written at save
+CHECKSUMS = "checksums.json"  # {file: [bytes, digest]} of every other file of the checkpoint, written at save
+RECORDED = "recorded"  # the one key of CHECKSUMS that names no file: how its digests were made
+AS_WRITTEN = "as written"  # from the bytes as they were written (read back and compared too, unless on a stop)
+READ_BACK = "read back after the write"  # files another tool wrote (import-hf), or whose writer reported no digests
+AFTER_THE_FACT = "read back at the next start"  # a stop's checkpoint of an older version, or whose writer reported
+# no digests: computed from the files as the next start found them, which proves only that they did not change since
+XXH3 = "xxh3-128:"
 
 
 class CheckpointError(ValueError):
@@ -36,7 +51,7 @@ class CheckpointError(ValueError):
 
 
 def crc32_file(path: str | os.PathLike) -> int:
-    """CRC-32 of a file's bytes, read in 16 MiB chunks (zlib releases the GIL: a thread can do this)."""
+    """CRC-32 of a file's bytes (what checkpoints of earlier versions recorded), read in 16 MiB chunks."""
     crc = 0
     with open(path, "rb") as handle:
         while chunk := handle.read(CHUNK):
@@ -44,9 +59,13 @@ def crc32_file(path: str | os.PathLike) -> int:
     return crc
 
 
-def file_checksums(root: Path, names: list[str]) -> dict[str, list[int]]:
-    """``{name: [bytes, CRC-32]}`` of the files ``root/name`` (a checkpoint's ``checksums.json``)."""
-    return {name: [(root / name).stat().st_size, crc32_file(root / name)] for name in names}
+def file_digest(path: str | os.PathLike) -> str:
+    """``"xxh3-128:HEX"`` of a file's bytes, read in 16 MiB chunks (xxhash releases the GIL: a thread can do this)."""
+    digest = ContentDigest()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.value()[1]
 
 
 class ContentDigest:
@@ -65,15 +84,8 @@ class ContentDigest:
 
 
 def file_digests(root: Path, names: list[str]) -> dict[str, list]:
-    """``{name: [bytes, "xxh3-128:HEX"]}`` of the files ``root/name`` (small files a pack has just written)."""
-    digests = {}
-    for name in names:
-        digest = ContentDigest()
-        with open(root / name, "rb") as handle:
-            while chunk := handle.read(CHUNK):
-                digest.update(chunk)
-        digests[name] = digest.value()
-    return digests
+    """``{name: [bytes, "xxh3-128:HEX"]}`` of the files ``root/name`` (small files just written, a read-back)."""
+    return {name: [(root / name).stat().st_size, file_digest(root / name)] for name in names}
 
 
 def _rank() -> int:
@@ -101,24 +113,41 @@ def gather_from_all(value) -> list:
     return every
 
 
-def read_manifest(path: Path) -> dict[str, list[int]]:
-    """A checkpoint's ``checksums.json``, read as untrusted input: CheckpointError naming the file and the field
-    unless it is a non-empty ``{file: [bytes, CRC-32]}`` (an empty or malformed one verifies nothing)."""
+def _is_digest(value) -> bool:
+    """A CRC-32 (int, older checkpoints) or ``"xxh3-128:"`` and 32 hex digits."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value >= 0
+    return isinstance(value, str) and value.startswith(XXH3) and len(value) == len(XXH3) + 32 and \
+        all(c in "0123456789abcdef" for c in value[len(XXH3):])
+
+
+def read_manifest(path: Path) -> dict[str, list]:
+    """A checkpoint's ``checksums.json`` (its files' entries, without :data:`RECORDED`), read as untrusted input:
+    CheckpointError naming the file and the field unless it is a non-empty ``{file: [bytes, digest]}`` (an empty or
+    malformed one verifies nothing)."""
     try:
         sums = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path} is unreadable ({err})") from None
+    if isinstance(sums, dict):
+        sums = {name: entry for name, entry in sums.items() if name != RECORDED}
     if not isinstance(sums, dict) or not sums:
         what = "empty" if sums == {} else f"a JSON {type(sums).__name__}"
         raise CheckpointError(f"{path} is {what}, not {{file: [bytes, CRC-32]}} of the checkpoint's files: it "
                               f"verifies nothing")
     for name, entry in sums.items():
-        if not (isinstance(entry, list) and len(entry) == 2 and
-                all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)):
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+                and not isinstance(entry[0], bool) and entry[0] >= 0 and _is_digest(entry[1])):
             raise CheckpointError(f"{path}: field {name!r} is {entry!r}, not [bytes, CRC-32]")
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"{path}: field {name!r} names no file of the checkpoint")
     return sums
+
+
+def write_manifest(ckpt_dir: Path, sums: dict[str, list], recorded: str) -> None:
+    """``ckpt_dir``'s ``checksums.json``: ``sums`` and how they were made (``recorded``), flushed to the disk."""
+    with atomic_file(ckpt_dir / CHECKSUMS, durable=True) as staging:
+        staging.write_text(json.dumps({RECORDED: recorded, **dict(sorted(sums.items()))}, indent=1))
 
 
 def verify_digests(root: Path, recorded: dict) -> dict[str, str]:
@@ -145,13 +174,14 @@ def _damaged_files(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str, st
     problems = {}
     for name in names:
         path = ckpt_dir / name
-        size, crc = sums[name]
+        size, digest = sums[name]
         if not path.is_file():
             problems[name] = f"{path} is missing"
         elif path.stat().st_size != size:
             problems[name] = f"{path} has {path.stat().st_size} bytes, {CHECKSUMS} recorded {size}"
-        elif crc32_file(path) != crc:
-            problems[name] = f"{path} is corrupt: its CRC-32 differs from the one {CHECKSUMS} recorded at save"
+        elif (crc32_file(path) if isinstance(digest, int) else file_digest(path)) != digest:
+            kind = "CRC-32" if isinstance(digest, int) else "XXH3-128"
+            problems[name] = f"{path} is corrupt: its {kind} differs from the one {CHECKSUMS} recorded at save"
     return problems
 
 
@@ -185,7 +215,7 @@ def verify_files(ckpt_dir: str | os.PathLike, report: Callable[[str], None] = sa
     """CheckpointError naming the first missing, unreadable, truncated or corrupt file of a checkpoint.
 
     Collective. With a ``CHECKSUMS`` manifest (every checkpoint nemo-anchor writes) each file's size
-    and CRC-32 are compared, the ranks sharing the reading: the checkpoint is read once. Without one
+    and digest are compared, the ranks sharing the reading: the checkpoint is read once. Without one
     only metadata is read (``metadata.json``, the common state, and the tensor index, whose entries say
     how many bytes of which file each tensor occupies), and ``report`` says it is not verified.
     """

@@ -63,7 +63,7 @@ def worker(args) -> None:
         import tempfile
 
         from nemo_anchor.run_dir import RunDir
-        from nemo_anchor.training.checkpoint import CheckpointSaver, async_save_available
+        from nemo_anchor.training.checkpoint_saver import CheckpointSaver, async_save_available
 
         folder = [tempfile.mkdtemp(prefix="bench_scale.") if ctx.rank == 0 else None]
         dist.broadcast_object_list(folder, src=0)

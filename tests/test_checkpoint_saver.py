@@ -1,8 +1,9 @@
-"""Saving off the training loop's critical path (nemo_anchor.training.checkpoint.CheckpointSaver).
+"""Saving off the training loop's critical path (nemo_anchor.training.checkpoint_saver.CheckpointSaver).
 
 The asynchronous save is Megatron's own (dist_checkpointing's async_sharded_save on an AsyncCallsQueue, its
 writer a forked process); it needs CUDA only to synchronize the device and to all-reduce the finished call's
 index, so here those two calls are stood in for on the CPU and everything else runs as on a GPU machine."""
+import json
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from nemo_anchor import checksums
 from nemo_anchor.run_dir import RunDir, checkpoint_step
-from nemo_anchor.training import checkpoint as ckpt
+from nemo_anchor.training import checkpoint_saver
 from nemo_anchor.training.config import load_config
 from nemo_anchor.training.loop import Trainer
 from tiny_runs import pack_texts, tiny_config, train_tiny  # tests/tiny_runs.py
@@ -27,7 +28,7 @@ def cuda_stand_in(monkeypatch):
     Where CUDA is present nothing is stood in: the tests run the real asynchronous save."""
     if torch.cuda.is_available():
         return
-    monkeypatch.setattr(ckpt, "async_save_available", lambda device: True)
+    monkeypatch.setattr(checkpoint_saver, "async_save_available", lambda device: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
 
@@ -48,8 +49,8 @@ def test_the_async_save_writes_the_checkpoints_the_synchronous_save_writes_and_r
     for step in sync:
         assert all(torch.equal(sync[step][name], asynchronous[step][name]) for name in sync[step])
     for path in RunDir(tmp_path / "async").list_checkpoints():
-        checksums.verify_files(path)  # checksummed in the background, every file covered
-        assert (path / checksums.CHECKSUMS).is_file()
+        checksums.verify_files(path)  # digested as written, read back in the background, every file covered
+        assert json.loads((path / checksums.CHECKSUMS).read_text())[checksums.RECORDED] == checksums.AS_WRITTEN
     assert RunDir(tmp_path / "async").latest_file.read_text() == "4"
     capsys.readouterr()
     assert train_tiny(tmp_path / "async", data, "checkpoint.async_save=true", max_steps=6) == 0
@@ -64,18 +65,18 @@ def test_async_save_asked_for_without_cuda_is_refused_in_one_line(data, tmp_path
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_a_checkpoint_is_named_latest_only_once_its_checksums_are_recorded(asynchronous, data, tmp_path,
+def test_a_checkpoint_is_named_latest_only_once_it_is_read_back(asynchronous, data, tmp_path,
                                                                             monkeypatch, request):
     if asynchronous:
         request.getfixturevalue("cuda_stand_in")
     release = threading.Event()
-    crc32 = checksums.crc32_file
+    digest = checksums.file_digest
 
-    def held_crc32(path):  # the background checksums wait until the test lets them go on
+    def held_digest(path):  # the background read-back waits until the test lets it go on
         assert release.wait(60)
-        return crc32(path)
+        return digest(path)
 
-    monkeypatch.setattr(checksums, "crc32_file", held_crc32)
+    monkeypatch.setattr(checksums, "file_digest", held_digest)
     config = load_config(tiny_config(tmp_path / "run", data),
                          [f"checkpoint.async_save={str(asynchronous).lower()}"])
     trainer = Trainer(config)
@@ -83,9 +84,9 @@ def test_a_checkpoint_is_named_latest_only_once_its_checksums_are_recorded(async
     try:
         trainer.train_step()
         final = trainer.save()
-        trainer.train_step()  # the loop goes on while the checksums are computed
+        trainer.train_step()  # the loop goes on while the files are read back
         trainer.saver.poll()
-        assert not final.exists() and not run.latest_file.exists()  # not announced before it is checksummed
+        assert not final.exists() and not run.latest_file.exists()  # not announced before it is read back
         release.set()
         assert trainer.saver.finish() == final
         assert final.is_dir() and run.latest_file.read_text() == "1"

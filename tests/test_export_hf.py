@@ -161,7 +161,7 @@ def _training_checkpoint(output_dir, model_cfg: ModelConfig, seed=0, precision="
     """A Megatron model saved by the trainer's own engine and checkpoint writer, with the tokenizer beside it."""
     from nemo_anchor.parallel.distributed import initialize_parallel
     from nemo_anchor.run_dir import RunDir
-    from nemo_anchor.training.checkpoint import save_checkpoint
+    from nemo_anchor.training.checkpoint_saver import save_checkpoint
     from nemo_anchor.training.config import OptimConfig, RunConfig, TrainerConfig, to_yaml
     from nemo_anchor.training.engine import build_engine
 

@@ -132,7 +132,7 @@ if __name__ == "__main__":
     from nemo_anchor.model.gpt import build_gpt_model
     from nemo_anchor.parallel.distributed import initialize_parallel
     from nemo_anchor.run_dir import RunDir
-    from nemo_anchor.training import checkpoint
+    from nemo_anchor.training import checkpoint, checkpoint_saver
     from nemo_anchor.training.config import RunConfig, TrainerConfig
     from nemo_anchor.training.engine import build_engine, train_step
     from nemo_anchor.training.init_from_hf import init_model_from_hf
@@ -152,7 +152,7 @@ if __name__ == "__main__":
         return engine
 
     engine = trained_engine()
-    save = peak_rise(lambda: checkpoint.save_checkpoint(RunDir(out), 1, engine, {"step": 1}, "", keep_last=1))
+    save = peak_rise(lambda: checkpoint_saver.save_checkpoint(RunDir(out), 1, engine, {"step": 1}, "", keep_last=1))
     del engine
     fresh = trained_engine()
     load = peak_rise(lambda: checkpoint.load_checkpoint(RunDir(out).checkpoint(1), fresh))

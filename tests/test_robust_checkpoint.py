@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nemo_anchor.run_dir import RunDir, checkpoint_step
+from nemo_anchor import checksums
 from nemo_anchor.checksums import CHECKSUMS
 from tiny_runs import pack_texts, train_tiny  # tests/tiny_runs.py
 
@@ -24,7 +25,7 @@ def test_a_shard_overwritten_with_same_size_garbage_falls_back_to_the_previous_c
     assert train(tmp_path, data) == 0
     run = RunDir(tmp_path / "run")
     previous, latest = run.list_checkpoints()
-    sums = json.loads((latest / CHECKSUMS).read_text())
+    sums = checksums.read_manifest(latest / CHECKSUMS)
     on_disk = {str(p.relative_to(latest)) for p in latest.rglob("*") if p.is_file()} - {CHECKSUMS}
     assert set(sums) == on_disk  # every file of the checkpoint, the shards, the index and config.yaml
     shard = max((latest / name for name in sums if name.endswith(".distcp")), key=lambda p: p.stat().st_size)

@@ -29,6 +29,7 @@ from nemo_anchor.run_dir import RunDir, checkpoint_step, read_run_config
 from nemo_anchor.run_lease import RunClaim, RunDirInUse, RunGuard
 from nemo_anchor import checksums, launch
 from nemo_anchor.training import checkpoint as ckpt
+from nemo_anchor.training import checkpoint_saver
 from nemo_anchor.training import memory, preemption, resume, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
 from nemo_anchor.training.engine import Engine, build_engine, parameters_gathered, run_microbatches, train_step
@@ -97,8 +98,8 @@ class Trainer:
 
     def _start(self) -> None:
         config, t = self.config, self.config.trainer
-        self.saver = ckpt.CheckpointSaver(self.run, config.checkpoint.keep_last, config.checkpoint.save_every,
-                                          asynchronous=self._async_save())
+        self.saver = checkpoint_saver.CheckpointSaver(self.run, config.checkpoint.keep_last,
+                                                      config.checkpoint.save_every, asynchronous=self._async_save())
         if self.ctx.is_main:  # the lease holder: no other run writes into checkpoints/
             for leftover in self.saver.remove_leftovers():
                 self._say(f"removing {leftover}, left by a save or a deletion that did not finish")
@@ -144,7 +145,7 @@ class Trainer:
     def _async_save(self) -> bool:
         """checkpoint.async_save, decided from the devices this process sees when unset."""
         wanted = self.config.checkpoint.async_save
-        available = ckpt.async_save_available(self.ctx.device)
+        available = checkpoint_saver.async_save_available(self.ctx.device)
         if wanted and not available:
             raise ValueError("checkpoint.async_save=true needs CUDA (Megatron's asynchronous writer synchronizes "
                              "the device): leave it unset, or set it false")
@@ -338,9 +339,9 @@ class Trainer:
         return check
 
     def save(self, *, read_back: bool = True) -> Path:
-        """Start saving this step's checkpoint (:class:`~nemo_anchor.training.checkpoint.CheckpointSaver`); returns
-        the directory it is published as, which ``self.saver.finish()`` waits for. ``read_back=False`` (a stop):
-        written and published before it returns, nothing read back (its checksums are recorded by the next start)."""
+        """Start saving this step's checkpoint (:class:`~nemo_anchor.training.checkpoint_saver.CheckpointSaver`);
+        returns the directory it is published as, which ``self.saver.finish()`` waits for. ``read_back=False`` (a
+        stop): written and published before it returns, nothing read back (digested as it was written)."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "data": self.data_record}
         # signals deferred: the writer processes Megatron starts and keeps must survive a group SIGTERM
         with parameters_gathered(self.engine), preemption.signals_deferred():
