@@ -37,13 +37,15 @@ SLURM_TESTS=(tests/test_slurm_cluster.py)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 LOGS="$(mktemp -d)"
 background=()
-# The local Slurm cluster of tests/test_slurm_cluster.py (scripts/slurm/local_cluster.sh): Slurm and munge installed
-# here when root and missing; without them (or root) its tests skip, saying why.
-if [ "$(id -u)" = 0 ] && ! command -v slurmctld > /dev/null && command -v apt-get > /dev/null; then
-  echo "[test] installing slurm-wlm and munge for the local Slurm cluster"
-  apt-get install -y -qq slurm-wlm munge > "$LOGS/apt.log" 2>&1 \
-    || (apt-get update -qq && apt-get install -y -qq slurm-wlm munge) >> "$LOGS/apt.log" 2>&1 \
-    || { echo "[test] apt-get could not install slurm-wlm munge: the Slurm cluster tests skip"; tail -3 "$LOGS/apt.log"; }
+# Debian packages some tests need, installed here when root and missing; without them (or root) those tests skip,
+# saying why: slurm-wlm and munge for the local Slurm cluster of tests/test_slurm_cluster.py
+# (scripts/slurm/local_cluster.sh), strace for the publish order of tests/test_checkpoint_durability.py
+if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
+    ! { command -v slurmctld && command -v munged && command -v strace; } > /dev/null; then
+  echo "[test] installing slurm-wlm, munge and strace"
+  apt-get install -y -qq slurm-wlm munge strace > "$LOGS/apt.log" 2>&1 \
+    || (apt-get update -qq && apt-get install -y -qq slurm-wlm munge strace) >> "$LOGS/apt.log" 2>&1 \
+    || { echo "[test] apt-get could not install slurm-wlm munge strace: their tests skip"; tail -3 "$LOGS/apt.log"; }
 fi
 export NEMO_ANCHOR_SLURM_DIR="$LOGS/slurm"
 LOCAL_CLUSTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/slurm/local_cluster.sh"

@@ -421,3 +421,28 @@ def test_run_whose_lease_was_taken_over_stops_without_writing(trained, tmp_path,
     assert "another run took this run's lease over; this run stops at step 1 without saving" in error_line(capsys)
     assert run.is_dir() and (run / LOCK_FILE).read_text() == intruder  # the folder and the lease are the other run's
     assert not RunDir(run).list_checkpoints()  # nothing saved after the lease was lost
+
+
+def test_run_that_loses_its_lease_during_a_save_does_not_publish_it(trained, tmp_path, capsys, monkeypatch):
+    """The lease is lost between a save's write and its publish (a run paused past its lease timeout, then resumed):
+    the trainer's fence reads the lease file before the rename, so nothing is published into the other run's
+    folder, and the run stops saying so."""
+    from nemo_anchor.training.checkpoint_saver import CheckpointSaver
+
+    run = tmp_path / "run"
+    intruder = json.dumps(_lease_record(pid=1, token="another run"))
+    save = CheckpointSaver.save
+
+    def save_then_taken_over(self, *args, **kwargs):
+        final = save(self, *args, **kwargs)
+        (run / LOCK_FILE).write_text(intruder)
+        return final
+
+    monkeypatch.setattr(CheckpointSaver, "save", save_then_taken_over)
+    status = main(["train", "--config", str(trained / "config.yaml"), f"output_dir={run}", "trainer.max_steps=3",
+                   "checkpoint.save_every=1"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert f"output_dir {run}: this run does not publish iter_0000001: it does not hold its lease" in err
+    assert (run / LOCK_FILE).read_text() == intruder
+    assert not RunDir(run).list_checkpoints() and not RunDir(run).latest_file.exists()

@@ -99,7 +99,8 @@ class Trainer:
     def _start(self) -> None:
         config, t = self.config, self.config.trainer
         self.saver = checkpoint_saver.CheckpointSaver(self.run, config.checkpoint.keep_last,
-                                                      config.checkpoint.save_every, asynchronous=self._async_save())
+                                                      config.checkpoint.save_every, asynchronous=self._async_save(),
+                                                      fence=self._guard.fence)
         if self.ctx.is_main:  # the lease holder: no other run writes into checkpoints/
             for leftover in self.saver.remove_leftovers():
                 self._say(f"removing {leftover}, left by a save or a deletion that did not finish")
