@@ -43,8 +43,8 @@ background=()
 if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
     ! { command -v slurmctld && command -v munged && command -v strace; } > /dev/null; then
   echo "[test] installing slurm-wlm, munge and strace"
-  apt-get install -y -qq slurm-wlm munge strace > "$LOGS/apt.log" 2>&1 \
-    || (apt-get update -qq && apt-get install -y -qq slurm-wlm munge strace) >> "$LOGS/apt.log" 2>&1 \
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge strace > "$LOGS/apt.log" 2>&1 \
+    || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge strace) >> "$LOGS/apt.log" 2>&1 \
     || { echo "[test] apt-get could not install slurm-wlm munge strace: their tests skip"; tail -3 "$LOGS/apt.log"; }
 fi
 export NEMO_ANCHOR_SLURM_DIR="$LOGS/slurm"
