@@ -27,7 +27,7 @@ NEMO_RUN_TESTS=(tests/test_nemo_run.py)
 # several-rank launches, signals to torchrun, the GPU suite's CPU smoke: the other heavy half of .venv
 LAUNCH_TESTS=(
   tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
-  tests/test_gpu_suite.py
+  tests/test_gpu_suite.py tests/test_million_token_window.py
 )
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
 # spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).

@@ -121,7 +121,8 @@ def _step(config: str, output_dir: str, overrides: list[str], result: str) -> No
         record = trainer.train_step()
         if trainer.ctx.is_main:
             parameters = dict(trainer.engine.gpt.named_parameters())
-            torch.save({"record": {key: record[key] for key in ("loss", "grad_norm", "loss_tokens")}, "grads": {name: p.main_grad.clone() for name, p in parameters.items()},
+            torch.save({"record": {key: record[key] for key in ("loss", "grad_norm", "loss_tokens")},
+                        "grads": {name: p.main_grad.clone() for name, p in parameters.items()},
                         "weights": {name: p.detach().clone() for name, p in parameters.items()}}, result)
     finally:
         trainer.saver.close()
