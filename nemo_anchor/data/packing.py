@@ -183,12 +183,18 @@ class _WindowWriter:
 
     def write(self, body: np.ndarray) -> None:
         body = body[:self.body_left]
-        T = self.layout.seq_length
-        start, end = _stream_length(self.written, T - 1), _stream_length(self.written + len(body), T - 1)
-        stream = np.full(end - start, self.layout.anchor_id, self.dtype)
-        is_body = np.ones(end - start, dtype=bool)
-        is_body[np.arange(-(-start // T) * T, end, T) - start] = False  # the anchors of the windows begun here
-        stream[is_body] = body
+        T, anchor = self.layout.seq_length, self.layout.anchor_id
+        stream = np.empty(_stream_length(self.written + len(body), T - 1) - _stream_length(self.written, T - 1),
+                          self.dtype)
+        head = min(len(body), -self.written % (T - 1))  # what the window an earlier write began still takes
+        whole = (len(body) - head) // (T - 1)  # windows begun and filled here
+        stream[:head] = body[:head]
+        windows = stream[head:head + whole * T].reshape(whole, T)
+        windows[:, 0] = anchor
+        windows[:, 1:] = body[head:head + whole * (T - 1)].reshape(whole, T - 1)
+        begun = stream[head + whole * T:]  # a window begun and not filled here: its anchor and first tokens
+        begun[:1] = anchor
+        begun[1:] = body[head + whole * (T - 1):]
         stream.tofile(self.file)
         self.checksum.update(stream)
         self.written += len(body)
