@@ -75,9 +75,9 @@ class ContentDigest:
         self.size, self._hash = 0, xxhash.xxh3_128()
 
     def update(self, data) -> None:
-        view = memoryview(data).cast("B")
-        self._hash.update(view)
-        self.size += len(view)
+        """Add the bytes of ``data``: any C-contiguous buffer (bytes, a numpy array of any shape, empty ones too)."""
+        self._hash.update(data)
+        self.size += memoryview(data).nbytes
 
     def value(self) -> list:
         return [self.size, f"xxh3-128:{self._hash.hexdigest()}"]

@@ -2,17 +2,18 @@
 
 Tables printed:
 1. pre-tokenized packing: Megatron .bin/.idx corpora (written with Megatron's own IndexedDatasetBuilder)
-   of growing size packed into 64K windows, each in a fresh process: wall time of the packing step
-   (``write_packed``) and of the whole ``pack()`` (statistics, histogram, tokenizer files included),
+   of growing size packed into windows of ``--seq-length`` tokens (64K), each in a fresh process: wall time of
+   the packing step (``write_packed``) and of the whole ``pack()`` (statistics, histogram, tokenizer files included),
    peak anonymous memory (sampled RssAnon; file pages of the memory-mapped input are excluded because
    they are page cache the kernel can drop) and peak RSS;
 2. tokenize + pack: the embedded stdlib corpus with the byte tokenizer and with a trained BPE;
-3. serving: ``PackedDataset[i]`` of 64K windows (random order, warm page cache) and ``collate_windows``;
+3. serving: ``PackedDataset[i]`` of those windows (random order, warm page cache) and ``collate_windows``;
 4. the content digest: pre-tokenized packing with the XXH3-128 digest of every file written (``metadata.json``'s
    ``checksums``, what a resume compares) and without it, alternated in fresh processes, best of
    ``--repeats``: what the digest costs pack.
 
-Usage: python scripts/bench_data.py [--sizes 25e6 50e6 100e6 200e6] [--tables 1 2 3 4] [--workdir DIR]
+Usage: python scripts/bench_data.py [--sizes 25e6 50e6 100e6 200e6] [--tables 1 2 3 4] [--seq-length T]
+       [--workdir DIR]
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def worker(args) -> None:
                       "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
-def measure(input_path: Path, tokenizer: str, output: Path, shuffle: bool, seq_length: int = SEQ_LENGTH,
+def measure(input_path: Path, tokenizer: str, output: Path, shuffle: bool, seq_length: int,
             digest: bool = True) -> dict:
     command = [sys.executable, __file__, "--worker", "--input", str(input_path), "--tokenizer", tokenizer,
                "--output", str(output), "--seq-length", str(seq_length)] + (["--shuffle"] if shuffle else []) \
@@ -131,7 +132,7 @@ def table(title: str, header: list[str], rows: list[list]) -> None:
         print("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
 
 
-def bench_pretokenized(workdir: Path, sizes: list[int]) -> Path:
+def bench_pretokenized(workdir: Path, sizes: list[int], seq_length: int) -> Path:
     rows, largest = [], None
     cases = [(size, 1367, False) for size in sizes] + [(sizes[-1], 1367, True), (sizes[0], 40, True)]
     for size, mean_length, shuffle in cases:
@@ -139,7 +140,7 @@ def bench_pretokenized(workdir: Path, sizes: list[int]) -> Path:
         if not Path(f"{prefix}.idx").exists():
             write_megatron_corpus(prefix, size, mean_length)
         output = workdir / f"packed_{size}_{mean_length}_{int(shuffle)}"
-        result = measure(prefix, "byte", output, shuffle)
+        result = measure(prefix, "byte", output, shuffle, seq_length)
         rows.append([f"{result['tokens'] / 1e6:.0f}M", result["documents"], mean_length, "yes" if shuffle else "no",
                      f"{result['packing_s']:.2f}", f"{result['tokens'] / result['packing_s'] / 1e6:.0f}M",
                      f"{result['pack_s']:.2f}", f"{result['tokens'] / result['pack_s'] / 1e6:.0f}M",
@@ -148,13 +149,13 @@ def bench_pretokenized(workdir: Path, sizes: list[int]) -> Path:
             largest = output
         else:
             shutil.rmtree(output)
-    table(f"1. pre-tokenized packing (Megatron .bin/.idx -> {SEQ_LENGTH}-token windows, fresh process each)",
+    table(f"1. pre-tokenized packing (Megatron .bin/.idx -> {seq_length}-token windows, fresh process each)",
           ["tokens", "docs", "mean doc", "shuffle", "packing s", "packing tok/s", "pack() s", "pack() tok/s",
            "peak anon MB", "peak RSS MB"], rows)
     return largest
 
 
-def bench_tokenize(workdir: Path) -> None:
+def bench_tokenize(workdir: Path, seq_length: int) -> None:
     from nemo_anchor.data import PackOptions, pack
     from nemo_anchor.data.corpus import build_stdlib_corpus
 
@@ -163,20 +164,20 @@ def bench_tokenize(workdir: Path) -> None:
         build_stdlib_corpus(corpus)
     bpe_dir = workdir / "bpe"
     if not bpe_dir.exists():  # train once, outside the timing (the tokenizer is an input here)
-        pack([corpus], "train-bpe:16384", bpe_dir, PackOptions(seq_length=SEQ_LENGTH))
+        pack([corpus], "train-bpe:16384", bpe_dir, PackOptions(seq_length=seq_length))
     rows = []
     for name, spec in [("byte", "byte"), ("BPE 16K", str(bpe_dir / "tokenizer"))]:
-        result = measure(corpus, spec, workdir / f"tokenized_{name.split()[0]}", shuffle=True)
+        result = measure(corpus, spec, workdir / f"tokenized_{name.split()[0]}", True, seq_length)
         megabytes = corpus.stat().st_size / 1e6
         rows.append([name, f"{megabytes:.0f} MB", result["documents"], f"{result['tokens'] / 1e6:.1f}M",
                      f"{result['pack_s']:.1f}", f"{result['tokens'] / result['pack_s'] / 1e6:.2f}M",
                      f"{megabytes / result['pack_s']:.1f}"])
         shutil.rmtree(workdir / f"tokenized_{name.split()[0]}")
-    table(f"2. tokenize + pack (stdlib corpus JSONL, {os.cpu_count()} cores, shuffled, {SEQ_LENGTH}-token windows)",
+    table(f"2. tokenize + pack (stdlib corpus JSONL, {os.cpu_count()} cores, shuffled, {seq_length}-token windows)",
           ["tokenizer", "input", "docs", "tokens", "pack() s", "tok/s", "MB/s"], rows)
 
 
-def bench_digest(workdir: Path, sizes: list[int], repeats: int) -> None:
+def bench_digest(workdir: Path, sizes: list[int], repeats: int, seq_length: int) -> None:
     rows = []
     for size in sizes:
         prefix = workdir / f"megatron_{size}_1367"
@@ -185,7 +186,7 @@ def bench_digest(workdir: Path, sizes: list[int], repeats: int) -> None:
         best = {True: None, False: None}
         for repeat in range(repeats):  # alternated, each first in turn: drifts of load and page cache hit both alike
             for digest in (False, True) if repeat % 2 == 0 else (True, False):
-                result = measure(prefix, "byte", workdir / f"digest_{size}", shuffle=False, digest=digest)
+                result = measure(prefix, "byte", workdir / f"digest_{size}", False, seq_length, digest=digest)
                 shutil.rmtree(workdir / f"digest_{size}")
                 if best[digest] is None or result["packing_s"] < best[digest]["packing_s"]:
                     best[digest] = result
@@ -196,7 +197,7 @@ def bench_digest(workdir: Path, sizes: list[int], repeats: int) -> None:
                      f"{(on['packing_s'] / off['packing_s'] - 1) * 100:+.1f}%", f"{off['pack_s']:.2f}",
                      f"{on['pack_s']:.2f}"])
     table(f"4. the content digest (XXH3-128 of every file pack writes, tokens hashed as written): pre-tokenized "
-          f"packing into {SEQ_LENGTH}-token windows, best of {repeats}, digest off / on",
+          f"packing into {seq_length}-token windows, best of {repeats}, digest off / on",
           ["tokens", "packing s off", "packing s on", "tok/s off", "tok/s on", "digest cost", "pack() s off",
            "pack() s on"], rows)
 
@@ -241,7 +242,8 @@ def main() -> None:
     parser.add_argument("--input", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
-    parser.add_argument("--seq-length", type=int, default=SEQ_LENGTH, help=argparse.SUPPRESS)
+    parser.add_argument("--seq-length", type=int, default=SEQ_LENGTH, metavar="T",
+                        help=f"window length of every table (default {SEQ_LENGTH}; 1048576: million-token windows)")
     parser.add_argument("--shuffle", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -250,13 +252,13 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; scratch: {workdir}")
     sizes = [int(size) for size in args.sizes]
-    largest = bench_pretokenized(workdir, sizes) if 1 in args.tables or 3 in args.tables else None
+    largest = bench_pretokenized(workdir, sizes, args.seq_length) if 1 in args.tables or 3 in args.tables else None
     if 2 in args.tables:
-        bench_tokenize(workdir)
+        bench_tokenize(workdir, args.seq_length)
     if 3 in args.tables:
         bench_serving(largest)
     if 4 in args.tables:
-        bench_digest(workdir, sizes, args.repeats)
+        bench_digest(workdir, sizes, args.repeats, args.seq_length)
     if args.workdir is None:
         shutil.rmtree(workdir)
 

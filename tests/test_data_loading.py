@@ -86,6 +86,9 @@ def test_collate_windows_offsets_boundaries(dataset):
         collate_windows([items[0], {key: value[:-2] for key, value in items[1].items()}])
     with pytest.raises(ValueError, match="at least one"):
         collate_windows([])
+    gigawindow = {"tokens": torch.zeros(1, dtype=torch.int64).expand(1 << 30)}  # 2^30 tokens, no memory
+    with pytest.raises(ValueError, match="2147483648 tokens, more than the int32 cu_seqlens"):
+        collate_windows([gigawindow, gigawindow])  # checked before anything is stacked
 
 
 def test_dataset_pickles_by_path_and_feeds_a_dataloader(dataset):

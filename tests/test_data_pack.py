@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from nemo_anchor.checksums import verify_digests
 from nemo_anchor.cli import main as cli_main
-from nemo_anchor.data import PackedDataset, PackOptions, load_tokenizer, pack
+from nemo_anchor.data import PackedDataset, PackOptions, load_tokenizer, pack, packing
 
 BOS, EOS, PAD = 256, 257, 258  # the byte tokenizer's specials
 
@@ -67,18 +68,29 @@ def tokens_of(record):
     return list(record["text"].encode("utf-8"))
 
 
+# (window length, body tokens the packer writes at a time): windows of 64 out of batches that begin and end inside
+# them, and windows of 2,000 that no single batch fills (as 2^20-token windows out of 2^20-token batches)
+WINDOWS_AND_BATCHES = [(64, None), (64, 7), (2000, 700)]
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("domain_tags", [False, True])
-def test_windows_match_reference_packer_in_input_order(tmp_path, drop_last, domain_tags):
+@pytest.mark.parametrize("seq_length, batch_tokens", WINDOWS_AND_BATCHES)
+def test_windows_match_reference_packer_in_input_order(tmp_path, monkeypatch, drop_last, domain_tags, seq_length,
+                                                       batch_tokens):
+    if batch_tokens:
+        monkeypatch.setattr(packing, "BATCH_TOKENS", batch_tokens)
+        monkeypatch.setattr(packing, "PART_TOKENS", batch_tokens)
     records = random_documents(80, seed=1)
     source = write_jsonl(tmp_path / "docs.jsonl", records)
-    options = PackOptions(seq_length=64, drop_last=drop_last, domain_tags=domain_tags)
+    options = PackOptions(seq_length=seq_length, drop_last=drop_last, domain_tags=domain_tags)
     pack([source], "byte", tmp_path / "out", options)
     ds = PackedDataset(tmp_path / "out")
+    assert verify_digests(tmp_path / "out", ds.metadata["checksums"]) == {}
 
     kept = [record for record in records if record["text"]]
     tags = [list(f"<{record['domain']}>\n".encode()) if domain_tags else [] for record in kept]
-    expected = reference_windows([tokens_of(record) for record in kept], tags, 64, drop_last)
+    expected = reference_windows([tokens_of(record) for record in kept], tags, seq_length, drop_last)
     assert len(ds) == len(expected) > 1
     for index, window in enumerate(expected):
         assert_window_matches(ds[index], window)

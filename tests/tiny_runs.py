@@ -14,11 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4] * 8
 
 
-def pack_texts(root, texts=TEXTS, tokenizer: str = "byte", name: str = "byte"):
+def pack_texts(root, texts=TEXTS, tokenizer: str = "byte", name: str = "byte", seq_length: int = 64):
     """``texts`` as ``root/corpus.jsonl``, packed with ``tokenizer`` into ``root/name``; returns that directory."""
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    pack([corpus], tokenizer, root / name, PackOptions(seq_length=64))
+    pack([corpus], tokenizer, root / name, PackOptions(seq_length=seq_length))
     return root / name
 
 
@@ -27,12 +27,12 @@ def train_tiny(output_dir, data_path, *overrides, max_steps: int = 4) -> int:
     return main(["train", "--config", str(tiny_config(output_dir, data_path, max_steps=max_steps)), *overrides])
 
 
-def tiny_config(output_dir, data_path, max_steps: int = 4, global_batch_size: int = 1):
+def tiny_config(output_dir, data_path, max_steps: int = 4, global_batch_size: int = 1, seq_length: int = 64):
     """The tiny run's config for ``output_dir``, written beside it; its path."""
     config = {
         "output_dir": str(output_dir),
         "model": {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2,
-                  "num_query_groups": 1, "seq_length": 64},
+                  "num_query_groups": 1, "seq_length": seq_length},
         "data": {"path": str(data_path)},
         "trainer": {"max_steps": max_steps, "global_batch_size": global_batch_size, "micro_batch_size": 1,
                     "precision": "fp32", "progress_bar": False},

@@ -192,7 +192,7 @@ def collate_windows(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
         ``cu_windows``: int32 ``[B + 1]`` = ``[0, T, 2T, ..., B * T]``.
 
     Raises:
-        ValueError: no items, or windows of different lengths.
+        ValueError: no items, windows of different lengths, or more tokens than int32 boundaries count.
     """
     if not items:
         raise ValueError("collate_windows needs at least one window")
@@ -200,6 +200,9 @@ def collate_windows(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     if len(lengths) != 1:
         raise ValueError(f"windows of different lengths cannot be batched: {sorted(lengths)}")
     T = lengths.pop()
+    if len(items) * T > torch.iinfo(torch.int32).max:
+        raise ValueError(f"{len(items)} windows of {T} tokens are {len(items) * T} tokens, more than the int32 "
+                         f"cu_seqlens of a batch count: lower the micro-batch size")
     batch = {key: torch.stack([item[key] for item in items]) for key in ("tokens", "labels", "loss_mask",
                                                                          "position_ids")}
     batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int32)]

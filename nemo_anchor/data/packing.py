@@ -2,7 +2,8 @@
 
 A document longer than the space left continues in the next window, right after its anchor. The
 documents' concatenation (the *body*) is therefore cut every ``T - 1`` tokens and each cut is
-prefixed with the anchor, which makes packing a streamed reshape: memory stays flat in corpus size.
+prefixed with the anchor, which makes packing a streamed reshape: memory stays flat in corpus size and
+window length.
 Body position ``p`` lands at window position ``p + p // (T - 1) + 1``; segment boundaries, tag and
 padding spans are mapped the same way, from document lengths alone. On-disk layout: see README.md.
 """
@@ -70,7 +71,7 @@ def write_packed(store: DocumentStore, documents: np.ndarray, pieces: Pieces, la
         raise ValueError(f"{body_tokens} tokens fill no window of {layout.seq_length}"
                          + (" (the last partial window is dropped; pad it instead)" if body_tokens else ""))
 
-    mask_runs, tokens_checksum = _write_tokens(store, documents, pieces.split(PART_TOKENS), wrap,
+    mask_runs, tokens_checksum = _write_tokens(store, documents, pieces.split(PART_TOKENS), wrap, num_windows,
                                                out_dir / TOKENS_FILE)
     segment_starts, segment_documents = _segments(piece_body_start, pieces.document, body_tokens, num_windows,
                                                   body_per_window)
@@ -135,9 +136,9 @@ class _Wrapping:
         return at, values
 
 
-def _write_tokens(store: DocumentStore, documents: np.ndarray, parts: Pieces, wrap: _Wrapping,
+def _write_tokens(store: DocumentStore, documents: np.ndarray, parts: Pieces, wrap: _Wrapping, num_windows: int,
                   path: Path) -> tuple[np.ndarray, list[int]]:
-    """Stream the windows into ``path``, a batch of parts at a time.
+    """Stream ``num_windows`` windows into ``path``, a batch of parts at a time.
 
     Returns:
         ``[R, 2]`` body-coordinate runs of tokens the inputs mark untrainable (NeMo loss masks), and the
@@ -149,7 +150,7 @@ def _write_tokens(store: DocumentStore, documents: np.ndarray, parts: Pieces, wr
     batch_of_part = (body_start + part_body - 1) // BATCH_TOKENS
     batch_edges = np.concatenate(([0], np.flatnonzero(np.diff(batch_of_part)) + 1, [len(parts)]))
 
-    writer = _WindowWriter(path, wrap.layout, store.dtype)
+    writer = _WindowWriter(path, wrap.layout, store.dtype, num_windows)
     mask_runs = [np.zeros((0, 2), np.int64)]
     with tqdm(total=int(part_body.sum()), desc="pack", unit="tok", unit_scale=True, disable=None) as progress:
         for first, end in zip(batch_edges[:-1], batch_edges[1:]):
@@ -166,32 +167,48 @@ def _write_tokens(store: DocumentStore, documents: np.ndarray, parts: Pieces, wr
 
 
 class _WindowWriter:
-    """Cuts the body stream into windows of ``T - 1`` tokens and writes each behind an anchor."""
+    """Writes exactly ``num_windows`` windows as the body streams in: the anchor before every ``T - 1`` body tokens,
+    body tokens past the last window dropped (``drop_last``), the last window padded when the body ends inside it.
 
-    def __init__(self, path: Path, layout: WindowLayout, dtype: np.dtype):
+    Each write goes out whole, nothing is held back for a window to fill: memory follows the batches written,
+    whatever the window length (a window of a million tokens is written over several batches).
+    """
+
+    def __init__(self, path: Path, layout: WindowLayout, dtype: np.dtype, num_windows: int):
         self.layout, self.dtype = layout, dtype
         self.file = open(path, "wb")
         self.checksum = ContentDigest()
-        self.carry = np.zeros(0, dtype)
+        self.written = 0  # body tokens written so far
+        self.body_left = num_windows * (layout.seq_length - 1)  # body tokens the windows still take
 
     def write(self, body: np.ndarray) -> None:
-        stream = np.concatenate([self.carry, body]) if len(self.carry) else body
-        count = len(stream) // (self.layout.seq_length - 1)
-        self._emit(stream[: count * (self.layout.seq_length - 1)])
-        self.carry = stream[count * (self.layout.seq_length - 1):].copy()
+        body = body[:self.body_left]
+        T, anchor = self.layout.seq_length, self.layout.anchor_id
+        stream = np.empty(_stream_length(self.written + len(body), T - 1) - _stream_length(self.written, T - 1),
+                          self.dtype)
+        head = min(len(body), -self.written % (T - 1))  # what the window an earlier write began still takes
+        whole = (len(body) - head) // (T - 1)  # windows begun and filled here
+        stream[:head] = body[:head]
+        windows = stream[head:head + whole * T].reshape(whole, T)
+        windows[:, 0] = anchor
+        windows[:, 1:] = body[head:head + whole * (T - 1)].reshape(whole, T - 1)
+        begun = stream[head + whole * T:]  # a window begun and not filled here: its anchor and first tokens
+        begun[:1] = anchor
+        begun[1:] = body[head + whole * (T - 1):]
+        stream.tofile(self.file)
+        self.checksum.update(stream)
+        self.written += len(body)
+        self.body_left -= len(body)
 
     def finish(self) -> None:
-        if len(self.carry) and not self.layout.drop_last:
-            padding = np.full(self.layout.seq_length - 1 - len(self.carry), self.layout.pad_id, self.dtype)
-            self._emit(np.concatenate([self.carry, padding]))
+        while self.body_left:
+            self.write(np.full(min(self.body_left, BATCH_TOKENS), self.layout.pad_id, self.dtype))
         self.file.close()
 
-    def _emit(self, body: np.ndarray) -> None:
-        windows = np.empty((len(body) // (self.layout.seq_length - 1), self.layout.seq_length), self.dtype)
-        windows[:, 0] = self.layout.anchor_id
-        windows[:, 1:] = body.reshape(len(windows), self.layout.seq_length - 1)
-        windows.tofile(self.file)
-        self.checksum.update(windows)
+
+def _stream_length(body_tokens: int, body_per_window: int) -> int:
+    """Window-stream tokens that hold the first ``body_tokens`` body tokens: them and the anchors of their windows."""
+    return body_tokens + -(-body_tokens // body_per_window)
 
 
 def _window_position(body_position: np.ndarray | int, body_per_window: int):

@@ -22,9 +22,9 @@ from nemo_anchor.data.tokenizer import TOKENIZER_SUBDIR, Tokenizer, load_tokeniz
 
 TRAIN_BPE_PREFIX = "train-bpe:"
 NEMO_SUBDIR = "nemo"
-# Upper bounds checked before tokenizing: a window is held whole in memory while packing and its
-# cu_seqlens are int32; interleaving draws (documents x chunks) random cuts at once.
-MAX_SEQ_LENGTH = 1 << 24
+# Upper bounds checked before tokenizing: a window's cu_seqlens are int32 (packing streams windows of any
+# length in bounded memory); interleaving draws (documents x chunks) random cuts at once.
+MAX_SEQ_LENGTH = (1 << 31) - 1
 MAX_INTERLEAVE_CHUNKS = 1024
 
 
@@ -50,7 +50,7 @@ class PackOptions:
         """Raises ValueError naming the first invalid option."""
         if not 2 <= self.seq_length <= MAX_SEQ_LENGTH:
             raise ValueError(f"seq_length must be at least 2 (the anchor plus one token) and at most {MAX_SEQ_LENGTH} "
-                             f"(a window is held in memory), got {self.seq_length}")
+                             f"(cu_seqlens are int32), got {self.seq_length}")
         if self.min_doc_tokens < 1:
             raise ValueError(f"min_doc_tokens must be at least 1, got {self.min_doc_tokens}")
         if self.upsample_factor < 1 or self.long_doc_tokens < 1:
