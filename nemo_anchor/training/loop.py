@@ -421,9 +421,12 @@ class Trainer:
             saved = self.save(read_back=False)
         else:  # this step's checkpoint is the resumed one, or the one in flight
             self.saver.finish(read_back=False)
+        # pending when this save (or the abandoned pass of the one in flight) left them; an earlier save's finished
+        # pass, or the resume, recorded them
+        checksums_when = "when the run resumes" if (saved / ckpt.PENDING).is_file() else "already"
         logger.write(f"stop requested ({stop.signal_name or 'by another rank'}): saved {saved} at step {self.step} "
-                     f"in {time.perf_counter() - stopped_at:.1f} s (its checksums are recorded when the run "
-                     f"resumes); run the same command again to resume")
+                     f"in {time.perf_counter() - stopped_at:.1f} s (its checksums are recorded {checksums_when}); "
+                     f"run the same command again to resume")
         return saved
 
     def _lease_lost_message(self) -> str:
