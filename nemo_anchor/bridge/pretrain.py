@@ -29,6 +29,7 @@ from nemo_anchor.bridge.training import MetricsCallback, anchor_forward_step
 from nemo_anchor.model.vocab import padded_vocab_size
 from nemo_anchor.parallel.context_parallel import pads_documents
 from nemo_anchor.training.config import load_config
+from nemo_anchor.training.preemption import start_checkpoint_writer_queue
 
 
 def apply_overrides(config, overrides: list[str]) -> None:
@@ -105,14 +106,9 @@ def _pretrain(config, callbacks: list) -> None:
     # SIGTERM, SIGINT and SIGUSR1 save and stop, the processes Bridge starts survive a group signal, and the
     # distributed optimizer resumes exactly over torch's Adam (nemo_anchor.bridge.preemption)
     with stopping_as_every_door(config) as signals_held:
-        if not launch.cuda():
-            # The writer's result queue is a multiprocessing Manager, started with "spawn" on a synchronous
-            # save (filesystem_async.py:200): a fresh interpreter that imports this whole stack again, 20-40 s
-            # per run here. Bridge creates it with checkpoint.async_write_results_mp_mode ("fork") for async
-            # saves (training/state.py:432); do the same first.
-            from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
-
-            get_write_results_queue(config.checkpoint.async_write_results_mp_mode)
+        # the writer's result queue, forked now rather than spawned by the first save, which may be a stop's
+        # (a spawned one imports this whole stack again: 20-40 s per run here)
+        start_checkpoint_writer_queue(config.checkpoint.async_write_results_mp_mode)
         pretrain(config, anchor_forward_step, callbacks=[*callbacks, signals_held])
 
 

@@ -22,7 +22,7 @@ from nemo.utils import logging
 
 from nemo_anchor import launch
 from nemo_anchor.training import optimizer_state
-from nemo_anchor.training.preemption import signals_deferred
+from nemo_anchor.training.preemption import signals_deferred, start_checkpoint_writer_queue
 
 
 class AnchorMegatronStrategy(nl.MegatronStrategy):
@@ -36,6 +36,14 @@ class AnchorMegatronStrategy(nl.MegatronStrategy):
         super().__init__(*args, ckpt_async_save=launch.async_save() if ckpt_async_save is None else ckpt_async_save,
                          ckpt_parallel_load=launch.cuda() if ckpt_parallel_load is None else ckpt_parallel_load,
                          **kwargs)
+
+    def setup(self, trainer) -> None:
+        """NeMo's, then, for training, Megatron's checkpoint writer's results queue started before any signal can
+        come: started by the first save, which may be a stop's, it would re-import all of NeMo within the grace
+        period (:func:`nemo_anchor.training.preemption.start_checkpoint_writer_queue`)."""
+        super().setup(trainer)
+        if trainer.training:
+            start_checkpoint_writer_queue()
 
     def save_checkpoint(self, *args, **kwargs):
         """NeMo's save with the stop signals held back, so that the processes Megatron's writer starts

@@ -101,6 +101,7 @@ class Trainer:
         self.saver = checkpoint_saver.CheckpointSaver(self.run, config.checkpoint.keep_last,
                                                       config.checkpoint.save_every, asynchronous=self._async_save(),
                                                       fence=self._guard.fence)
+        preemption.start_checkpoint_writer_queue()  # now, not in the first save, which may be a stop's
         if self.ctx.is_main:  # the lease holder: no other run writes into checkpoints/
             for leftover in self.saver.remove_leftovers():
                 self._say(f"removing {leftover}, left by a save or a deletion that did not finish")
@@ -432,9 +433,12 @@ class Trainer:
             saved = self.save(read_back=False)
         else:  # this step's checkpoint is the resumed one, or the one in flight
             self.saver.finish(read_back=False)
+        # pending when this save (or the abandoned pass of the one in flight) left them; an earlier save's finished
+        # pass, or the resume, recorded them
+        checksums_when = "when the run resumes" if (saved / ckpt.PENDING).is_file() else "already"
         logger.write(f"stop requested ({stop.signal_name or 'by another rank'}): saved {saved} at step {self.step} "
-                     f"in {time.perf_counter() - stopped_at:.1f} s (its checksums are recorded when the run "
-                     f"resumes); run the same command again to resume")
+                     f"in {time.perf_counter() - stopped_at:.1f} s (its checksums are recorded {checksums_when}); "
+                     f"run the same command again to resume")
         return saved
 
     def _state_bytes_per_rank(self) -> dict[str, list[int]]:

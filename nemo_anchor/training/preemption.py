@@ -22,7 +22,8 @@ once the handler is in, which then acts on what arrived (a run that fails before
 
 :func:`signals_deferred` is what makes a save after the signal work: wrap every checkpoint save in
 it (the scheduled ones too), because Megatron starts the processes a save needs during the first
-save and keeps some of them.
+save and keeps some of them. :func:`start_checkpoint_writer_queue`, called at setup, starts the one that
+costs most before any signal can come, so that a stop's save is never the first to pay for it.
 
 The three front doors stop on the same :data:`STOP_SIGNALS`: ``nemo-anchor train``
 (``training/loop.py``), NeMo (``nemo/run_guard.py``'s ``AnchorPreemption``, saves through
@@ -32,6 +33,8 @@ The three front doors stop on the same :data:`STOP_SIGNALS`: ``nemo-anchor train
 from __future__ import annotations
 
 import contextlib
+import gc
+import multiprocessing
 import signal
 import threading
 from typing import Iterator
@@ -129,8 +132,9 @@ def signals_deferred() -> Iterator[None]:
 
     Why: Megatron's ``dist_checkpointing`` writer keeps a multiprocessing Manager, spawned during
     the first save (megatron/core/dist_checkpointing/strategies/filesystem_async.py:51-56 in
-    megatron-core 0.16.1), and forks one writer per bucket on every save (:266); the asynchronous
-    save's persistent worker is spawned too (async_utils.py:298, :327). A signal to the whole
+    megatron-core 0.16.1) unless :func:`start_checkpoint_writer_queue` started it, and forks one
+    writer per bucket on every save (:266); the asynchronous save's persistent worker is spawned too
+    (async_utils.py:298, :327). A signal to the whole
     process group kills the Manager, and the save after the signal fails with ``BrokenPipeError``.
     A blocked signal stays pending in a child (the Manager ignores it for good; it ends when this
     process shuts it down or with SIGKILL), and in this process is handled when the block ends
@@ -148,3 +152,41 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_checkpoint_writer_queue(mp_mode: str = "fork") -> None:
+    """Start the results queue of Megatron's checkpoint writer now (``mp_mode``: forked unless told otherwise), with
+    the stop signals held back.
+
+    Why: ``dist_checkpointing``'s writer sends its results through a multiprocessing Manager's queue that it
+    starts on the first save. megatron-core 0.16.1 starts it with "spawn" (``_get_write_results_queue``,
+    dist_checkpointing/strategies/filesystem_async.py:51-56), and a spawned child first runs its parent's main
+    module again: the ``nemo`` console script imports all of NeMo there (13 s of the 21 s a NeMo stop took on
+    2 CPU cores), ``nemo-anchor``'s and ``python -m nemo_anchor.bridge.pretrain``'s import their own stack. A stop
+    whose save is the run's first paid for that inside the scheduler's grace period. A forked Manager imports
+    nothing and starts in milliseconds; its server only passes pickled results between processes (it touches
+    no CUDA or process group state of the parent).
+
+    megatron-core 0.17 and later (Megatron-Bridge's .venv) have the public ``get_write_results_queue(mp_mode)``,
+    and Megatron-Bridge calls it with "fork" (its ``checkpoint.async_write_results_mp_mode`` default): the same
+    here. 0.16.1 has only the private spawn one, which returns the module's ``_results_queue`` once that is set:
+    setting it is the least private way to choose the start method there. A queue already started is kept.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    with signals_deferred(), _gc_disabled():  # no collection (of CUDA tensors, say) half done across the fork
+        if hasattr(filesystem_async, "get_write_results_queue"):
+            filesystem_async.get_write_results_queue(mp_mode)
+        elif filesystem_async._results_queue is None:
+            filesystem_async._results_queue = multiprocessing.get_context(mp_mode).Manager().Queue()
+
+
+@contextlib.contextmanager
+def _gc_disabled() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -1,7 +1,8 @@
 """Megatron-Bridge's front door stops as the other two do (.venv-bridge; each run a subprocess, as a user runs it).
 
 - SIGUSR1 (Slurm's ``--signal=USR1@120``) and SIGINT to the whole process group, after scheduled saves: the run
-  saves the step it reached and exits 75, and none of its processes is left (SIGTERM: tests/bridge/test_bridge.py).
+  saves the step it reached and exits 75, none of its processes is left, and the same command resumes from that
+  checkpoint (SIGTERM: tests/bridge/test_bridge.py).
 - A job given GPUs that torch cannot see (``CUDA_VISIBLE_DEVICES=0`` on this machine), or a run asking for NCCL,
   stops before its first step with one line naming CUDA and torch's error; with ``NEMO_ANCHOR_ALLOW_CPU=1`` it
   trains on the CPU (the SIGUSR1 run above is that job). The other variables that give a job GPUs (Slurm's)
@@ -82,7 +83,7 @@ CPU_CHOSEN_WHERE_CUDA_IS_EXPECTED = {"CUDA_VISIBLE_DEVICES": "0", launch.ALLOW_C
 @pytest.mark.parametrize("stop, variables", [(signal.SIGUSR1, CPU_CHOSEN_WHERE_CUDA_IS_EXPECTED), (signal.SIGINT, {})],
                          ids=["SIGUSR1", "SIGINT"])
 def test_a_group_stop_signal_after_earlier_saves_saves_the_step_reached_and_exits_75(run_config, stop, variables,
-                                                                                     tmp_path):
+                                                                                     pretrain_cli, tmp_path):
     save = tmp_path / "run"
     run = subprocess.Popen(command(run_config, save, "checkpoint.save_interval=2"), env=environment(**variables),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -105,6 +106,10 @@ def test_a_group_stop_signal_after_earlier_saves_saves_the_step_reached_and_exit
     latest = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert latest == max(steps(save)) >= 5 and (save / f"iter_{latest:07d}").is_dir(), (latest, steps(save))
     assert not left, "processes of the run were left alive"
+    # the same command resumes from the stop's checkpoint (forked from tests/preloaded.py: its start is not under test)
+    resumed = pretrain_cli.run(command(run_config, save, f"train.train_iters={latest + 1}")[3:])
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert steps(save) == list(range(1, latest + 2))  # continued after the step saved, none replayed
 
 
 def _torch_reason() -> str:
