@@ -207,6 +207,11 @@ def section_tables(results: dict) -> list[str]:
                 rows.append([r["backend"], r.get("dtype", "-"), r.get("mode", "-"), r.get("case", "-"),
                              r["status"], "-", "-", "-"])
         out += [table(["backend", "dtype", "mode", "case", "status", "worst", "error", "bound"], rows), ""]
+    paths = results.get("paths", [])
+    if paths:
+        out += ["## The anchor's paths (issue 45; SKIP: the check needs CUDA)", "",
+                table(["check", "status", "backend", "detail"],
+                      [[r["check"], r["status"], r.get("backend", "-"), r.get("detail", "-")] for r in paths]), ""]
     speed = results.get("speed", [])
     if speed:
         out += ["## Speed (one packed window; TFLOP/s count kept pairs only; x SDPA = SDPA time / time)", ""]
@@ -240,6 +245,9 @@ def failure_lines(results: dict) -> list[str]:
         elif r["status"].startswith("FAIL"):
             lines.append(f"conformance {r['backend']} {r.get('dtype', '')} {r.get('mode', '')} "
                          f"[{r.get('case', '')}]: {r['status']}")
+    for r in results.get("paths", []):
+        if r["status"].startswith("FAIL"):
+            lines.append(f"paths {r['check']}: {r['status']}: {r.get('detail', '')}")
     for section in ("speed", *TRAINING_SECTIONS):
         for r in results.get(section, []):
             if r["status"].startswith("FAIL"):
