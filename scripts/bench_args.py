@@ -17,6 +17,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
