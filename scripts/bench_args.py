@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 
 def positive_int(text: str) -> int:
     try:
@@ -27,6 +25,11 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive whole numbers (``8192,32768``)."""
+    return [positive_int(part) for part in text.split(",")]
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -37,7 +40,7 @@ def positive_float(text: str) -> float:
     return value
 
 
-def attention_path(backend: str, mode: str, device: torch.device) -> str:
+def attention_path(backend: str, mode: str, device) -> str:
     """``backend (kernel family); how the anchor is attended to, and why``: the line each benchmark prints above
     its numbers (e.g. ``anchor merge: torch fallback (cpu tensors; the Triton path needs a GPU or
     TRITON_INTERPRET=1)``)."""
