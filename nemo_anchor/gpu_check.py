@@ -28,6 +28,9 @@ SUITE_PACKAGES = {
     "torch": IMAGE, "numpy": IMAGE, "tokenizers": IMAGE, "tqdm": IMAGE,
     "megatron.core": WHEELS, "omegaconf": WHEELS, "antlr4": WHEELS, "xxhash": WHEELS, "psutil": WHEELS,
 }
+# What the parts import where it is there and judge themselves where it is not: the preflight says it is absent
+# without failing (a CPU has no triton; on CUDA the paths section's merge row is a FAIL naming it).
+SUITE_OPTIONAL_PACKAGES = {"triton": IMAGE + " (every CUDA torch wheel brings it)"}
 ATOL = 1e-3  # relative to max(1, |reference|): the "small atol" of the acceptance rule
 FLOPS_PER_PAIR_FORWARD = 4  # per head and head_dim unit: q.k and p.v, a multiply and an add each
 BACKWARD_FACTOR = 2.5  # forward+backward = 3.5x forward, FlashAttention's convention

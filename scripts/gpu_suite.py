@@ -60,6 +60,12 @@ def preflight(output: Path) -> int:
             rows.append({"package": module, "source": source,
                          "status": f"FAIL: {module} does not import ({type(error).__name__}: {error}); the lent "
                                    f"machine gets it from {source}"})
+    for module, source in check.SUITE_OPTIONAL_PACKAGES.items():  # judged by the parts themselves
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001
+            print(f"gpu_suite: preflight: optional {module} does not import ({type(error).__name__}); the lent "
+                  f"machine gets it from {source}")
     results = {"environment": check.environment(), "rows": rows}
     output.mkdir(parents=True, exist_ok=True)
     with atomic_file(output / "preflight.json") as tmp:
