@@ -28,6 +28,9 @@ SUITE_PACKAGES = {
     "torch": IMAGE, "numpy": IMAGE, "tokenizers": IMAGE, "tqdm": IMAGE,
     "megatron.core": WHEELS, "omegaconf": WHEELS, "antlr4": WHEELS, "xxhash": WHEELS, "psutil": WHEELS,
 }
+# What the parts import where it is there and judge themselves where it is not: the preflight says it is absent
+# without failing (a CPU has no triton; on CUDA the paths section's merge row is a FAIL naming it).
+SUITE_OPTIONAL_PACKAGES = {"triton": IMAGE + " (every CUDA torch wheel brings it)"}
 ATOL = 1e-3  # relative to max(1, |reference|): the "small atol" of the acceptance rule
 FLOPS_PER_PAIR_FORWARD = 4  # per head and head_dim unit: q.k and p.v, a multiply and an add each
 BACKWARD_FACTOR = 2.5  # forward+backward = 3.5x forward, FlashAttention's convention
@@ -207,6 +210,11 @@ def section_tables(results: dict) -> list[str]:
                 rows.append([r["backend"], r.get("dtype", "-"), r.get("mode", "-"), r.get("case", "-"),
                              r["status"], "-", "-", "-"])
         out += [table(["backend", "dtype", "mode", "case", "status", "worst", "error", "bound"], rows), ""]
+    paths = results.get("paths", [])
+    if paths:
+        out += ["## The anchor's paths (issue 45; SKIP: the check needs CUDA)", "",
+                table(["check", "status", "backend", "detail"],
+                      [[r["check"], r["status"], r.get("backend", "-"), r.get("detail", "-")] for r in paths]), ""]
     speed = results.get("speed", [])
     if speed:
         out += ["## Speed (one packed window; TFLOP/s count kept pairs only; x SDPA = SDPA time / time)", ""]
@@ -240,6 +248,9 @@ def failure_lines(results: dict) -> list[str]:
         elif r["status"].startswith("FAIL"):
             lines.append(f"conformance {r['backend']} {r.get('dtype', '')} {r.get('mode', '')} "
                          f"[{r.get('case', '')}]: {r['status']}")
+    for r in results.get("paths", []):
+        if r["status"].startswith("FAIL"):
+            lines.append(f"paths {r['check']}: {r['status']}: {r.get('detail', '')}")
     for section in ("speed", *TRAINING_SECTIONS):
         for r in results.get(section, []):
             if r["status"].startswith("FAIL"):

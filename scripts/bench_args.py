@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 
 def positive_int(text: str) -> int:
     try:
@@ -15,6 +13,21 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive whole numbers (``8192,32768``)."""
+    return [positive_int(part) for part in text.split(",")]
 
 
 def positive_float(text: str) -> float:
@@ -27,7 +40,7 @@ def positive_float(text: str) -> float:
     return value
 
 
-def attention_path(backend: str, mode: str, device: torch.device) -> str:
+def attention_path(backend: str, mode: str, device) -> str:
     """``backend (kernel family); how the anchor is attended to, and why``: the line each benchmark prints above
     its numbers (e.g. ``anchor merge: torch fallback (cpu tensors; the Triton path needs a GPU or
     TRITON_INTERPRET=1)``)."""

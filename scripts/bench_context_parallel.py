@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import attention_path, positive_int, positive_ints  # noqa: E402  (scripts/bench_args.py)
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 STRATEGIES = ("a2a", "all_gather")
 
@@ -154,6 +157,7 @@ def measured_table(args) -> None:
     print(f"\nMeasured on this CPU ({os.cpu_count()} cores shared by the ranks, one thread each, gloo): one layer fwd+bwd, "
           f"{args.measure_windows_per_step} windows, AnchorAttention, Hq={args.measure_heads}, "
           f"Hkv={args.measure_query_groups}, D={args.measure_head_dim}, {args.dtype}, median of {args.repeats}")
+    print(f"attention: {attention_path(args.backend, 'anchor', torch.device('cpu'))}")
     rows = []
     for window in args.measure_windows:
         for cp in args.measure_cp:
@@ -173,30 +177,37 @@ def measured_table(args) -> None:
           "interconnect; they show that both strategies run, not how they scale.")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", type=int, default=32, help="query heads (default: Llama-3-8B's 32)")
-    parser.add_argument("--query-groups", type=int, default=8, help="key/value heads (default 8)")
-    parser.add_argument("--head-dim", type=int, default=128)
+    from nemo_anchor.attention.functional import BACKENDS
+
+    parser.add_argument("--heads", type=positive_int, default=32, help="query heads (default: Llama-3-8B's 32)")
+    parser.add_argument("--query-groups", type=positive_int, default=8, help="key/value heads (default 8)")
+    parser.add_argument("--head-dim", type=positive_int, default=128)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--windows", type=_ints, default=[8192, 32768, 131072, 262144], help="window lengths")
-    parser.add_argument("--cp", type=_ints, default=[2, 4, 8, 16], help="context-parallel sizes")
+    parser.add_argument("--windows", type=positive_ints, default=[8192, 32768, 131072, 262144], help="window lengths")
+    parser.add_argument("--cp", type=positive_ints, default=[2, 4, 8, 16], help="context-parallel sizes")
     parser.add_argument("--measure", action="store_true", help="also time gloo runs on this machine")
-    parser.add_argument("--measure-windows", type=_ints, default=[2048, 8192])
-    parser.add_argument("--measure-windows-per-step", type=int, default=1)
-    parser.add_argument("--measure-cp", type=_ints, default=[1, 2, 4])
-    parser.add_argument("--measure-heads", type=int, default=8)
-    parser.add_argument("--measure-query-groups", type=int, default=4)
-    parser.add_argument("--measure-head-dim", type=int, default=64)
-    parser.add_argument("--backend", default="cpu", help="anchor_attention backend of the measured runs")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--measure-windows", type=positive_ints, default=[2048, 8192])
+    parser.add_argument("--measure-windows-per-step", type=positive_int, default=1)
+    parser.add_argument("--measure-cp", type=positive_ints, default=[1, 2, 4])
+    parser.add_argument("--measure-heads", type=positive_int, default=8)
+    parser.add_argument("--measure-query-groups", type=positive_int, default=4)
+    parser.add_argument("--measure-head-dim", type=positive_int, default=64)
+    parser.add_argument("--backend", choices=BACKENDS, default="cpu",
+                        help="anchor_attention backend of the measured runs")
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for heads, groups, name in ((args.heads, args.query_groups, ""), (args.measure_heads, args.measure_query_groups,
+                                                                       "measure-")):
+        if heads % groups:
+            parser.error(f"--{name}heads {heads} is not a multiple of --{name}query-groups {groups}")
+    for window in args.measure_windows if args.measure else ():
+        for cp in args.measure_cp:
+            if cp > 1 and window % (2 * cp):
+                parser.error(f"--measure-windows {window} does not split into 2 x --measure-cp {cp} equal chunks")
     if args.worker:
         _worker(json.loads(args.worker))
         return 0

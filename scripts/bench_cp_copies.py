@@ -13,6 +13,7 @@ import argparse
 import collections
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_anchor.attention.layout import PackLayout
 from nemo_anchor.parallel import context_parallel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import positive_int  # noqa: E402  (scripts/bench_args.py)
 
 _ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided"}
 
@@ -108,14 +112,26 @@ def _worker(rank, world, port, tokens, heads, kv_heads, head_dim, results):
     dist.destroy_process_group()
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    args = parser.parse_args()
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
+    parser.add_argument("--cp", type=positive_int, default=2)
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--kv-heads", type=positive_int, default=4)
+    parser.add_argument("--head-dim", type=positive_int, default=64)
+    args = parser.parse_args(argv)
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.cp < 2:
+        parser.error(f"--cp {args.cp}: context parallelism needs 2 or more ranks")
+    if args.tokens % 4:  # two windows of tokens x cp / 2, each cut into 2 x cp chunks
+        parser.error(f"--tokens {args.tokens} is not a multiple of 4: the pack's two windows would not split into "
+                     f"2 x --cp chunks each")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -124,6 +140,7 @@ def main():
         mp.spawn(_worker, args=(args.cp, port, args.tokens, args.heads, args.kv_heads, args.head_dim, results),
                  nprocs=args.cp)
         results = dict(results)
+    print("attention: a stand-in kernel (writes its output and gradients only): no attention path is measured")
     print(f"bytes written outside the attention kernel per layer, in units of one rank's q+k+v "
           f"(cp={args.cp}, {args.tokens} tokens/rank, {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim})")
     print(f"{'comm_type':<11} {'pass':<9} {'total':>6}  by op")

@@ -31,6 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import positive_float, positive_int  # noqa: E402  (scripts/bench_args.py)
+
 SEQ_LENGTH = 65536
 
 
@@ -229,23 +232,24 @@ def bench_serving(packed: Path) -> None:
             f"{1e3 / times_ms.mean():.0f}", f"{collate_ms:.2f}"]])
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=float, nargs="+", default=[25e6, 50e6, 100e6, 200e6],
+    parser.add_argument("--sizes", type=positive_float, nargs="+", default=[25e6, 50e6, 100e6, 200e6],
                         help="pre-tokenized corpus sizes in tokens")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--tables", type=int, nargs="+", choices=(1, 2, 3, 4), default=[1, 2, 3, 4],
                         help="which tables to print (3 serves the largest dataset of 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each case in table 4 (the best is shown)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs of each case in table 4 (the best is shown)")
     parser.add_argument("--no-digest", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--input", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
-    parser.add_argument("--seq-length", type=int, default=SEQ_LENGTH, metavar="T",
+    parser.add_argument("--seq-length", type=positive_int, default=SEQ_LENGTH, metavar="T",
                         help=f"window length of every table (default {SEQ_LENGTH}; 1048576: million-token windows)")
     parser.add_argument("--shuffle", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_data."))

@@ -31,6 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import attention_path, non_negative_int, positive_int  # noqa: E402  (scripts/bench_args.py)
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=8, num_query_groups=4)
 VOCAB = 4096
@@ -193,6 +196,13 @@ def stop_table(args, env: dict) -> None:
 
 
 def scale_table(args) -> None:
+    import torch
+
+    from nemo_anchor.attention.paradigms import get_attention_type
+    from nemo_anchor.model.config import ModelConfig
+
+    kind = ModelConfig.attention_type  # the runs' attention type: the model's default
+    print(f"attention: {kind}: {attention_path('cpu', get_attention_type(kind).mask, torch.device('cpu'))}")
     print(f"Small model {MODEL}, window {args.seq_length}, {args.precision}, distributed optimizer; bytes per rank "
           f"(measured / planned)")
     print(f"{'layout':>12} {'rank':>4} {'weights KiB':>17} {'gradients KiB':>17} {'optimizer KiB':>17} {'step s':>7}")
@@ -254,23 +264,34 @@ def paper_table() -> None:
                                              p.total)) + f"  {'fits' if p.fits else 'does not fit'}")
 
 
-def main() -> None:
+def layout_of(text: str) -> tuple[int, int]:
+    """``--layouts``: ``PROCESSES:TENSOR_PARALLEL``, the first a multiple of the second."""
+    processes, colon, tensor = text.partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"{text!r} is not PROCESSES:TENSOR_PARALLEL (e.g. 2:1)")
+    processes, tensor = positive_int(processes), positive_int(tensor)
+    if processes % tensor:
+        raise argparse.ArgumentTypeError(f"{text}: {processes} processes do not split into tensor-parallel groups "
+                                         f"of {tensor}")
+    return processes, tensor
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--steps", type=positive_int, default=3)
+    parser.add_argument("--seq-length", type=positive_int, default=1024)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="fp32: the faster matmul precision on CPUs without bf16 units")
     parser.add_argument("--stop", action="store_true",
                         help="also time a SIGTERM to a training run until its exit, beside a plain save")
     parser.add_argument("--plain-save", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tensor", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--layouts", nargs="+", default=[f"{p}:{t}" for p, t in LAYOUTS],
-                        type=lambda value: tuple(int(part) for part in value.split(":")),
+    parser.add_argument("--tensor", type=positive_int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", nargs="+", default=[f"{p}:{t}" for p, t in LAYOUTS], type=layout_of,
                         help="PROCESSES:TENSOR_PARALLEL of each run of table 1 (default: 1:1 2:1 2:2)")
-    parser.add_argument("--save-every", type=int, default=0,
+    parser.add_argument("--save-every", type=non_negative_int, default=0,
                         help="save a checkpoint every N steps and print what it costs the loop (0: no saves)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return

@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_args import attention_path, non_negative_int, positive_float, positive_int  # noqa: E402
 KINDS = ("full", "intra_doc", "intra_doc_reset", "anchor")
 # which anchor path attention/anchor_merge.py takes: merge (the default) | kv_copy (the previous path)
 ANCHOR_PATH_ENV = "NEMO_ANCHOR_ANCHOR_PATH"
@@ -274,18 +276,23 @@ def same_family_runs(rows: list[dict], length: int) -> list[Run]:
             for kind, backend in done.items() if kind != "anchor" and kernel_family(backend) != kernel_family(anchor)]
 
 
+def layer_count(text: str) -> str:
+    """``--layers``: ``auto`` or a positive whole number (kept as text: ``planned_model`` reads it)."""
+    return text if text == "auto" else str(positive_int(text))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (the best is kept)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps (the best is kept)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
     parser.add_argument("--model", choices=tuple(SHAPES), default="tiny", help="model shape (default: tiny)")
-    parser.add_argument("--layers", default=None,
+    parser.add_argument("--layers", type=layer_count, default=None,
                         help="a layer count, or auto: as many as the planner fits one GPU (default: the shape's)")
     parser.add_argument("--gpu-memory", type=gpu_bytes_of, metavar="GB|CARD",
                         help="plan against this GPU: nominal GB or a card name (default: this machine's GPU)")
-    parser.add_argument("--mean-doc", type=float, default=600 * math.exp(0.5), help="mean document length")
+    parser.add_argument("--mean-doc", type=positive_float, default=600 * math.exp(0.5), help="mean document length")
     parser.add_argument("--anchor-paths", nargs="+", choices=ANCHOR_PATHS, default=["merge"])
     parser.add_argument("--same-family", action="store_true",
                         help="also run each type auto put on another kernel family on the anchor's backend")
@@ -349,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
             do(run)
         for run in other_paths:
             do(run)
+    if args.tree is None:  # the path this tree's code takes (a previous tree's workers may lack it)
+        from nemo_anchor.attention.paradigms import get_attention_type
+
+        device = torch.device("cuda" if cuda else "cpu")
+        measured = {(r["attention_type"], r["backend"]) for r in rows
+                    if r["status"] == "ok" and r["anchor_path"] == "merge"}
+        for kind, backend in sorted(measured):
+            print(f"attention: {kind}: {attention_path(backend, get_attention_type(kind).mask, device)}")
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 

@@ -8,6 +8,10 @@
    and fp16, with flash-attn's acceptance rule (error at most twice that of a plain low-precision
    PyTorch implementation, plus a small atol); and flex's block mask against
    ``create_block_mask(..., _compile=True)``;
+   paths (issue 45), a PASS/FAIL row each: the anchor merge's path (a FAIL where CUDA runs the torch fallback),
+   a deterministic backward on auto (two backward passes, bitwise-equal gradients), Megatron's plain
+   PackedSeqParams through AnchorCoreAttention against the fp32 reference, and no host sync in an anchor
+   forward on a prebuilt layout (``torch.cuda.set_sync_debug_mode("error")``); SKIP and why where CUDA is needed;
 2. speed: forward and forward+backward of anchor attention per backend, and of anchor, intra_doc and
    full through the backend ``auto`` picks, against dense full-causal SDPA (flash) in the same run, on one
    packed window of 8K, 32K and 128K tokens (log-normal documents, 32 heads, 8 KV heads, head dim
@@ -141,6 +145,131 @@ def _deduplicated_skips(rows: list[dict]) -> list[dict]:
             row = {**row, "dtype": "all", "mode": "all", "case": "all"}
         kept.append(row)
     return kept
+
+
+# --- 1b. the anchor's paths (issue 45) ---------------------------------------------------------------
+
+def paths(quick: bool, device, smoke: bool = False) -> list[dict]:
+    """One PASS/FAIL row per path of issue 45 (SKIP and why where the check needs CUDA): which anchor merge runs
+    (a FAIL where CUDA runs the torch fallback), a deterministic backward on ``auto`` (two backward passes give
+    bitwise-equal gradients), Megatron's plain ``PackedSeqParams`` through ``AnchorCoreAttention`` against the fp32
+    reference, and an anchor forward on a prebuilt layout without a host sync (its plan's pinned copies)."""
+    tokens = 256 if smoke else 4096 if quick else 16384
+    checks = {"anchor merge path": _merge_path_check, "deterministic backward (auto)": _deterministic_check,
+              "Megatron's plain PackedSeqParams, anchor mask": _plain_params_check,
+              "no host sync, anchor forward on a prebuilt layout": _no_sync_check}
+    rows = []
+    for name, run in checks.items():
+        try:
+            rows.append({"check": name, **run(tokens, device)})
+        except Exception as error:  # noqa: BLE001 - reported, the other checks go on
+            rows.append({"check": name, "status": "FAIL", "backend": "-", "detail": _fail(error)})
+    return rows
+
+
+def _path_inputs(tokens: int, device, dtype=torch.bfloat16, heads=(8, 2, 128)):
+    """q, k, v (leaves), an output gradient and the documents of one packed window of ``tokens`` tokens."""
+    h, hkv, d = heads
+    g = torch.Generator(device="cpu").manual_seed(tokens)
+    q = torch.randn(tokens, h, d, generator=g)
+    k, v = (torch.randn(tokens, hkv, d, generator=g) for _ in range(2))
+    grad = torch.randn(tokens, h, d, generator=g)
+    docs = lognormal_documents(tokens, seed=1, mean_tokens=tokens / 8)
+    return [x.to(device, dtype).requires_grad_() for x in (q, k, v)], grad.to(device, dtype), docs
+
+
+def _merge_path_check(tokens: int, device) -> dict:
+    from nemo_anchor.attention.anchor_key import merge_path
+    from nemo_anchor.attention.functional import anchor_handling, choose_backend
+
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16, device=device)  # what auto asks of the inputs: a training call
+    backend = choose_backend("auto", q, True, "anchor").name
+    path = merge_path(device)[1]
+    handling = (anchor_handling(backend, "anchor", device)
+                or f"{backend} merges no anchor; the merge on {device}: {path}")
+    if device.type != "cuda":
+        return {"status": "SKIP", "backend": backend,
+                "detail": f"{handling}; whether the Triton merge runs is judged on CUDA only"}
+    return {"status": "PASS" if path == "triton" else "FAIL", "backend": backend, "detail": handling}
+
+
+def _deterministic_check(tokens: int, device) -> dict:
+    from nemo_anchor.attention import anchor_attention
+    from nemo_anchor.attention.functional import choose_backend
+
+    (q, k, v), grad, docs = _path_inputs(tokens, device)
+    layout = PackLayout.of(docs)
+    backend = choose_backend("auto", q, True, "anchor", deterministic=True)
+    runs = []
+    for _ in range(2):
+        out = anchor_attention(q, k, v, layout=layout, mode="anchor", backend=backend, deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), grad))
+    differ = [name for name, a, b in zip(("dq", "dk", "dv"), *runs) if not torch.equal(a, b)]
+    detail = f"{tokens} tokens, bf16: " + (f"{', '.join(differ)} differ between two backward passes" if differ
+                                           else "dq, dk, dv bitwise equal in two backward passes")
+    return {"status": "FAIL" if differ else "PASS", "backend": backend.name, "detail": detail}
+
+
+def _plain_params_check(tokens: int, device) -> dict:
+    """AnchorCoreAttention on the THD params Megatron-LM's packed training builds (documents only: one window whose
+    first token is the anchor), output and q/k/v gradients in bf16, by the conformance section's acceptance rule."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.utils import get_thd_batch_on_this_cp_rank
+
+    from nemo_anchor.attention import anchor_attention
+    from nemo_anchor.attention.functional import choose_backend
+    from nemo_anchor.attention.layout import query_blocks
+    from nemo_anchor.model.core_attention import AnchorCoreAttention
+
+    tokens = min(tokens, 4096)  # the fp32 reference is dense
+    (q, k, v), grad, docs = _path_inputs(tokens, device)
+    heads, groups, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0, hidden_dropout=0.0)
+    core = AnchorCoreAttention(config, 1, AttnMaskType.causal, "self", mask="anchor", backend="auto",
+                               pg_collection=ProcessGroupCollection(tp=None, cp=None))
+    cu = torch.tensor(docs, dtype=torch.int32)
+    lengths = cu[1:] - cu[:-1]
+    _, params = get_thd_batch_on_this_cp_rank({"tokens": torch.zeros(1, tokens, dtype=torch.long)}, cu.to(device),
+                                              cu.to(device), lengths.max().reshape(1), cp_size=1, cp_rank=0)
+    scale = head_dim ** -0.5
+    blocks = query_blocks(docs, (0, tokens), "anchor", 0, tokens)  # the definition: one window, its first token
+    inputs = [x.detach() for x in (q, k, v)]
+    actual = _run(lambda *x: core(*x, None, packed_seq_params=params).view(tokens, heads, head_dim), inputs, grad,
+                  torch.bfloat16)
+    baseline = _run(lambda *x: check.low_precision_attention(*x, blocks, 0, scale), inputs, grad, torch.bfloat16)
+    reference = _run(lambda *x: anchor_attention(*x, cu_seqlens=cu.to(device), mode="anchor", backend="reference"),
+                     inputs, grad, torch.float32)
+    tensors = [check.compare(name, a, b, r) for name, a, b, r in zip(("out", "dq", "dk", "dv"), actual, baseline,
+                                                                        reference)]
+    worst = max(tensors, key=lambda t: t["error"] / t["bound"])
+    chosen = choose_backend("auto", q, True, "anchor").name  # what the core attention chose at its first forward
+    return {"status": "PASS" if all(t["ok"] for t in tensors) else "FAIL", "backend": chosen,
+            "detail": f"{tokens} tokens, {len(docs) - 1} documents, bf16 vs fp32 reference: worst {worst['tensor']} "
+                      f"error {worst['error']:.3g} (bound {worst['bound']:.3g})"}
+
+
+def _no_sync_check(tokens: int, device) -> dict:
+    from nemo_anchor.attention import anchor_attention
+    from nemo_anchor.attention.functional import choose_backend
+
+    if device.type != "cuda":
+        return {"status": "SKIP", "backend": "-",
+                "detail": "torch.cuda.set_sync_debug_mode watches CUDA streams; the CPU has none"}
+    (q, k, v), _, docs = _path_inputs(tokens, device)
+    backend = choose_backend("auto", q, True, "anchor")
+    anchor_attention(q, k, v, layout=PackLayout.of(docs), mode="anchor", backend=backend)  # kernels compiled
+    layout = PackLayout.of(lognormal_documents(tokens, seed=2, mean_tokens=tokens / 8))  # its plan built below
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        anchor_attention(q, k, v, layout=layout, mode="anchor", backend=backend)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"status": "PASS", "backend": backend.name,
+            "detail": "a new layout's first forward: no host sync under torch.cuda.set_sync_debug_mode('error')"}
 
 
 # --- 2. speed -----------------------------------------------------------------------------------
@@ -411,8 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller layouts, 8K/32K, 5 training steps at 4K")
     parser.add_argument("--output", type=Path, default=Path("gpu_check_out"), help="where the JSON and markdown go")
-    parser.add_argument("--sections", nargs="+", choices=("conformance", "speed", "training", "cp2"),
-                        default=["conformance", "speed", "training"])
+    parser.add_argument("--sections", nargs="+", choices=("conformance", "paths", "speed", "training", "cp2"),
+                        default=["conformance", "paths", "speed", "training"])
     parser.add_argument("--lengths", type=int, nargs="+", help="speed: window lengths (default 8K 32K 128K)")
     parser.add_argument("--repeats", type=int, help="speed: timed calls per method (default 3 with --quick, else 10)")
     parser.add_argument("--mean-doc", type=int, default=4096, help="mean document length (log-normal)")
@@ -432,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"environment": check.environment(), "quick": args.quick, "cpu_smoke": args.cpu_smoke}
     smoke = args.cpu_smoke
     sections = {"conformance": lambda: conformance(args.quick, device, smoke),
+                "paths": lambda: paths(args.quick, device, smoke),
                 "speed": lambda: speed(args.quick or smoke, device, args.mean_doc, args.lengths, args.repeats),
                 "training": lambda: training(args.quick, args.mean_doc, smoke),
                 "cp2": lambda: cp2(args.quick, args.mean_doc, smoke)}

@@ -8,7 +8,8 @@ The preflight imports every package of ``nemo_anchor.gpu_check.SUITE_PACKAGES`` 
 machine gets it (exit 1). The parts still run, so what needs only torch is measured anyway.
 
 The merge reads each part's rows (``OUTPUT_DIR/<part>.json`` from ``scripts/bench_train.py``,
-``OUTPUT_DIR/<part>/gpu_check.json`` from ``scripts/gpu_check.py``) and ``OUTPUT_DIR/<part>.rc``
+``OUTPUT_DIR/<part>/gpu_check.json`` from ``scripts/gpu_check.py``: the conformance part's holds the paths
+section too) and ``OUTPUT_DIR/<part>.rc``
 (exit status, seconds, limit); a part that crashed, timed out or wrote nothing becomes a FAIL row with the
 last line of its log instead of ending the suite. It judges issue 35's targets (:data:`TARGETS`) on the
 rows, each a PASS or FAIL row with the measured value, and writes ``gpu_suite.json``, ``gpu_suite.md``
@@ -29,9 +30,10 @@ from nemo_anchor import gpu_check as check
 from nemo_anchor.atomic import atomic_file
 from nemo_anchor.attention.functional import kernel_family
 
-# part: the section of its gpu_check.json, or None for a bench_train / preflight part (OUTPUT_DIR/<part>.json)
+# part: the sections of its gpu_check.json (the first the part's own, where a crash is said), or None for a
+# bench_train / preflight part (OUTPUT_DIR/<part>.json)
 PARTS = {"preflight": None, "smollm2": None, "previous": None, "llama8b_32k": None, "llama8b_64k": None,
-         "speed": "speed", "conformance": "conformance", "cp2": "cp2"}
+         "speed": ("speed",), "conformance": ("conformance", "paths"), "cp2": ("cp2",)}
 MODEL_PARTS = ("smollm2", "previous", "llama8b_32k", "llama8b_64k")
 TIMED_OUT = (124, 137)  # timeout(1): the limit, then the kill
 # the shapes the targets are judged at: (part, window)
@@ -58,6 +60,12 @@ def preflight(output: Path) -> int:
             rows.append({"package": module, "source": source,
                          "status": f"FAIL: {module} does not import ({type(error).__name__}: {error}); the lent "
                                    f"machine gets it from {source}"})
+    for module, source in check.SUITE_OPTIONAL_PACKAGES.items():  # judged by the parts themselves
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001
+            print(f"gpu_suite: preflight: optional {module} does not import ({type(error).__name__}); the lent "
+                  f"machine gets it from {source}")
     results = {"environment": check.environment(), "rows": rows}
     output.mkdir(parents=True, exist_ok=True)
     with atomic_file(output / "preflight.json") as tmp:
@@ -81,17 +89,17 @@ def _last_line(path: Path) -> str:
 
 def _failure_row(part: str, status: str) -> dict:
     return {"backend": part, "run": part, "tokens": "-", "method": part, "attention_type": part, "length": "-",
-            "package": part, "status": status}
+            "package": part, "check": part, "status": status}
 
 
 def merge(output: Path, started: float | None = None) -> dict:
     results: dict = {"suite": {}}
-    for part, section in PARTS.items():
+    for part, sections in PARTS.items():
         try:
             code, seconds, limit = (int(x) for x in (output / f"{part}.rc").read_text().split())
         except (OSError, ValueError):
             code, seconds, limit = None, None, None
-        source = output / part / "gpu_check.json" if section else output / f"{part}.json"
+        source = output / part / "gpu_check.json" if sections else output / f"{part}.json"
         try:
             found = json.loads(source.read_text())
         except (OSError, ValueError):
@@ -99,7 +107,9 @@ def merge(output: Path, started: float | None = None) -> dict:
         if found.get("environment") and "environment" not in results:
             results["environment"] = found["environment"]
         results["suite"][part] = {"exit": code, "seconds": seconds, "limit_s": limit}
-        rows = [{**row, "part": part} for row in found.get(section or "rows") or []]
+        keys = sections or ("rows",)  # where the part's rows lie in its JSON
+        by_key = {key: [{**row, "part": part} for row in found.get(key) or []] for key in keys}
+        rows = [row for key_rows in by_key.values() for row in key_rows]
         if code is None:
             status = "FAIL: the part did not run"
         elif code in TIMED_OUT:
@@ -108,7 +118,10 @@ def merge(output: Path, started: float | None = None) -> dict:
             status = f"FAIL: exit {code}, no results ({_last_line(output / f'{part}.log')})"
         else:
             status = None
-        results[part] = rows + ([_failure_row(part, status)] if status else [])
+        results[part] = by_key[keys[0]] + ([_failure_row(part, status)] if status else [])
+        for section in keys[1:]:  # the part's other sections: one it ended before is a FAIL row too
+            results[section] = by_key[section] or ([] if status else [_failure_row(
+                section, f"FAIL: exit {code}, no {section} rows ({_last_line(output / f'{part}.log')})")])
     results["targets"] = targets(results)
     if started is not None:
         results["suite"]["total_seconds"] = round(time.time() - started)

@@ -6,7 +6,11 @@
 # hang or a missing package in one is a FAIL row and the others still run. In this order:
 #   preflight    every package the parts import (nemo_anchor.gpu_check.SUITE_PACKAGES): a missing one is a
 #                FAILURE naming it and where the lent machine gets it; the parts still run
-#   conformance  every attention backend that runs here against the fp32 reference, forward and backward
+#   conformance  every attention backend that runs here against the fp32 reference, forward and backward; then
+#                issue 45's paths, a PASS/FAIL row each: the anchor merge that runs (FAIL: the torch fallback on
+#                CUDA), a deterministic backward on auto (bitwise-equal gradients twice), Megatron's plain
+#                PackedSeqParams through AnchorCoreAttention against the fp32 reference, no host sync in an
+#                anchor forward on a prebuilt layout (the last needs CUDA, as does judging the first: SKIP on the CPU)
 #   smollm2      SmolLM2-135M's shape at 8K: anchor, full, intra_doc (each on auto's best; on the anchor's
 #                kernel family too where auto chose another), and the anchor on the previous K/V-copy path
 #                (NEMO_ANCHOR_ANCHOR_PATH=kv_copy): tokens/s, MFU, HFU, peak memory
@@ -124,7 +128,7 @@ else
     CP2=(--quick)
 fi
 run_part preflight 30 "$PY" scripts/gpu_suite.py --preflight "$OUT"
-run_part conformance 80 check conformance --sections conformance "${CONFORMANCE[@]}"
+run_part conformance 90 check conformance --sections conformance paths "${CONFORMANCE[@]}"
 run_part smollm2 80 model smollm2 "${SMOLLM2[@]}" "${GRID[@]}" "${CURRENT[@]}"
 run_part previous 60 model previous "${SMOLLM2[@]}" "${PREVIOUS_GRID[@]}" --tree "$PREVIOUS"
 run_part speed 75 check speed --sections speed "${KERNELS[@]}"

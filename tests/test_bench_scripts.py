@@ -92,6 +92,8 @@ def test_bench_train_prints_a_row_per_attention_type():
                "--precision", "fp32")
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("256 ")]
     assert [r[1] for r in rows] == ["full", "anchor"]
+    assert [line for line in out.splitlines() if line.startswith("attention: ")] == [
+        f"attention: {kind}: cpu (torch's CPU flash attention)" for kind in ("anchor", "full")]
     full_tokens_per_s = float(rows[0][8])
     for _, _, backend, path, layers, recompute, _, step_s, tokens_per_s, ratio, tflops, mfu, hfu, peak in rows:
         assert (backend, path, layers, recompute) == ("cpu", "merge", "4", "0")
@@ -131,6 +133,22 @@ def test_bench_data_prints_pack_throughput_with_and_without_the_digest():
     ("bench_attention", ["--tokens", "0"], "argument --tokens: must be a positive whole number, got 0"),
     ("bench_attention", ["--tokens", "64", "--docs", "100"], "--docs 100 is more documents than --tokens 64"),
     ("bench_host", ["--layers", "0"], "argument --layers: must be a positive whole number, got 0"),
+    ("bench_train", ["--lengths", "256", "0"], "argument --lengths: must be a positive whole number, got 0"),
+    ("bench_train", ["--warmup", "-1"], "argument --warmup: must be a whole number >= 0, got -1"),
+    ("bench_train", ["--layers", "many"], "argument --layers: 'many' is not a whole number"),
+    ("bench_train", ["--mean-doc", "nan"], "argument --mean-doc: must be a positive finite number, got nan"),
+    ("bench_context_parallel", ["--cp", "2,x"], "argument --cp: 'x' is not a whole number"),
+    ("bench_context_parallel", ["--heads", "6", "--query-groups", "4"],
+     "--heads 6 is not a multiple of --query-groups 4"),
+    ("bench_context_parallel", ["--measure", "--measure-windows", "100"],
+     "--measure-windows 100 does not split into 2 x --measure-cp 4 equal chunks"),
+    ("bench_context_parallel", ["--backend", "fa5"], "argument --backend: invalid choice: 'fa5'"),
+    ("bench_cp_copies", ["--cp", "1"], "--cp 1: context parallelism needs 2 or more ranks"),
+    ("bench_cp_copies", ["--tokens", "6"], "--tokens 6 is not a multiple of 4"),
+    ("bench_data", ["--sizes", "0"], "argument --sizes: must be a positive finite number, got 0"),
+    ("bench_data", ["--repeats", "0"], "argument --repeats: must be a positive whole number, got 0"),
+    ("bench_scale", ["--layouts", "3:2"], "argument --layouts: 3:2: 3 processes do not split into tensor-parallel"),
+    ("bench_scale", ["--save-every", "-2"], "argument --save-every: must be a whole number >= 0, got -2"),
 ])
 def test_benchmarks_refuse_bad_arguments_in_one_line_naming_the_option(script, argv, option, capsys):
     """In-process, before any work: well under a CPU second for all of them."""

@@ -8,8 +8,11 @@
 - unpacked sbhd batches: each row one window of one document.
 
 Megatron-Bridge's packed batches: tests/bridge/test_bridge_packed_params.py; NeMo's: tests/test_nemo.py.
+Megatron's plain params restart RoPE at every document: the ``anchor`` and ``full`` masks warn once per process.
 About 8 CPU seconds.
 """
+import logging
+
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -17,7 +20,7 @@ from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
 from nemo_anchor.attention import layout as layout_module
 from nemo_anchor.attention.layout import boundaries as read_boundaries
-from nemo_anchor.model import packed_seq
+from nemo_anchor.model import core_attention, packed_seq
 from nemo_anchor.model.packed_seq import make_packed_seq_params, packed_layout
 from nemo_anchor.parallel.distributed import initialize_parallel
 
@@ -152,3 +155,33 @@ def test_plain_params_under_context_parallelism_refuse_every_mask_but_intra_doc(
     # intra_doc runs: each document, the unit Megatron split, is one window to the context-parallel attention
     layout = packed_layout(plain([0, 8, 24, 32]), 32, "intra_doc", cp_size=2)
     assert layout.window_bounds == layout.doc_bounds == (0, 8, 24, 32)
+
+
+def _rope_warnings(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and r.name.startswith("nemo_anchor") and "RoPE" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mask", ["full", "anchor"])
+def test_plain_params_warn_once_that_rope_restarts_at_every_document(cores, monkeypatch, caplog, mask):
+    """Megatron's RoPE restarts per cu_seqlens_q segment (a document of plain params); anchor and full define the
+    positions continuous over the window: said once per process, with the way to keep them continuous."""
+    monkeypatch.setattr(core_attention, "_WARNED_PLAIN_ROPE", False)
+    q, k, v = qkv(16)
+    with caplog.at_level(logging.INFO, logger="nemo_anchor"):
+        for _ in range(2):
+            cores[mask](q, k, v, None, packed_seq_params=plain([0, 5, 12, 16]))
+        cores["intra_doc" if mask == "full" else "full"](q, k, v, None, packed_seq_params=plain([0, 5, 12, 16]))
+    [warning] = _rope_warnings(caplog)
+    assert f"the {mask} mask got Megatron's plain PackedSeqParams" in warning and "restart at every document" in warning
+    assert "nemo_anchor.model.packed_seq.make_packed_seq_params" in warning
+
+
+@pytest.mark.parametrize("source, mask", [("plain", "intra_doc"), ("ours", "anchor")])
+def test_no_rope_warning_where_the_positions_are_what_the_paradigm_defines(cores, monkeypatch, caplog, source, mask):
+    monkeypatch.setattr(core_attention, "_WARNED_PLAIN_ROPE", False)
+    params, tokens = (plain([0, 5, 12, 16]), 16) if source == "plain" else INPUTS["ours"]()[:2]
+    q, k, v = qkv(tokens)
+    with caplog.at_level(logging.INFO, logger="nemo_anchor"):
+        cores[mask](q, k, v, None, packed_seq_params=params)
+    assert not _rope_warnings(caplog)

@@ -112,6 +112,31 @@ def test_each_on_its_best_is_judged_beside_the_same_family(tmp_path):
                     ("each on its best: fa4 / te", "FAIL", pytest.approx(50 / 60))]
 
 
+def test_the_paths_rows_come_with_the_conformance_part_and_a_fail_is_a_failure(tmp_path):
+    """Issue 45's paths ride in the conformance part's JSON: a FAIL row (CUDA running the torch merge fallback) is a
+    failure of the suite; a SKIP is not; a conformance part that ended before its paths says so in a FAIL row."""
+    suite = _script("gpu_suite")
+    paths = [{"check": "anchor merge path", "status": "FAIL", "backend": "fa3",
+              "detail": "anchor merge: torch fallback (`import triton` failed: ModuleNotFoundError)"},
+             {"check": "no host sync, anchor forward on a prebuilt layout", "status": "SKIP", "backend": "-",
+              "detail": "needs CUDA"}]
+    (tmp_path / "conformance").mkdir()
+    (tmp_path / "conformance" / "gpu_check.json").write_text(json.dumps(
+        {"environment": ENV, "conformance": [{"backend": "fa3", "status": "skipped: x"}], "paths": paths}))
+    (tmp_path / "conformance.rc").write_text("1 10 90\n")
+    results = suite.merge(tmp_path)
+    assert [(r["check"], r["status"]) for r in results["paths"]] == [(p["check"], p["status"]) for p in paths]
+    failures = [line for line in suite.failure_lines(results) if line.startswith("paths")]
+    assert failures == ["paths anchor merge path: FAIL: anchor merge: torch fallback (`import triton` failed: "
+                        "ModuleNotFoundError)"]
+    assert "| anchor merge path | FAIL | fa3 | anchor merge: torch fallback" in suite.markdown(results)
+    (tmp_path / "conformance" / "gpu_check.json").write_text(json.dumps(
+        {"environment": ENV, "conformance": [{"backend": "fa3", "status": "skipped: x"}]}))
+    (tmp_path / "conformance.log").write_text("RuntimeError: CUDA error: an illegal memory access\n")
+    [row] = suite.merge(tmp_path)["paths"]
+    assert row["status"] == "FAIL: exit 1, no paths rows (RuntimeError: CUDA error: an illegal memory access)"
+
+
 def test_a_type_auto_put_on_another_kernel_family_runs_again_on_the_anchors():
     bench = _script("bench_train")
     rows = [_model_row("smollm2", "full", 8192, 60_000, backend="te"), _model_row("smollm2", "anchor", 8192, 50_000),
@@ -212,7 +237,7 @@ atexit.register(_write)
 
 
 def _outside_the_standard_library(names: set[str]) -> set[str]:
-    ours = {"nemo_anchor", "gpu_check", "bench_train", "gpu_suite", "__main__"}
+    ours = {"nemo_anchor", "gpu_check", "bench_train", "bench_args", "gpu_suite", "__main__"}
     return {n for n in names if n.split(".")[0] not in sys.stdlib_module_names | ours and not n.startswith("_")}
 
 
@@ -253,11 +278,18 @@ def test_cpu_smoke_runs_every_part_and_imports_only_what_the_gpu_machine_has(tmp
         for part, length in (("llama8b_32k", 256), ("llama8b_64k", 512))]  # the runs the smoke leaves out
     assert {r["mode"] for r in results["speed"] if r["status"] == "ok"} >= {"anchor", "intra_doc", "full"}
     assert results["cp2"][0]["status"] == "ok" and results["conformance"]
+    # issue 45's paths: what needs CUDA says SKIP and why, the rest runs on the CPU's backend
+    assert {r["check"]: r["status"] for r in results["paths"]} == {
+        "anchor merge path": "SKIP", "deterministic backward (auto)": "PASS",
+        "Megatron's plain PackedSeqParams, anchor mask": "PASS",
+        "no host sync, anchor forward on a prebuilt layout": "SKIP"}
+    assert all("CUDA" in r["detail"] for r in results["paths"] if r["status"] == "SKIP")
     assert "## The GPU suite on one cpu (" in (out / "results.md").read_text()
     imported = set().union(*(set(p.read_text().split()) for p in log.glob("*.txt")))
     needed = _outside_the_standard_library(imported)
     unchecked = {name for name in needed if not any(name == package or name.startswith(package + ".")
-                                                    for package in check.SUITE_PACKAGES)}
+                                                    for package in {**check.SUITE_PACKAGES,
+                                                                    **check.SUITE_OPTIONAL_PACKAGES})}
     assert needed and not unchecked, f"imported by the suite, not in SUITE_PACKAGES: {sorted(unchecked)}"
 
 

@@ -278,7 +278,7 @@ def log_backend_choice(backend: str | ChosenBackend, mode: str, q: torch.Tensor,
            "auto's first that runs here" + "".join(f"; not {b}: {reason}" for b, reason in skipped.items()))
     details = [d for d in (anchor_handling(name, mode, q.device),
                            "deterministic backward" if deterministic and needs_grad else None) if d]
-    log = _library_logger()
+    log = library_logger(__name__)
     log.info("nemo_anchor attention: %s runs on %s (%s) on %s, %s, head_dim %d%s: %s", mode, name,
              kernel_family(name), device, str(q.dtype).removeprefix("torch."), q.shape[-1],
              "".join(f"; {d}" for d in details), why)
@@ -293,9 +293,10 @@ def log_backend_choice(backend: str | ChosenBackend, mode: str, q: torch.Tensor,
                     common_backend(q, needs_grad))
 
 
-def _library_logger() -> logging.Logger:
-    """``nemo_anchor``'s logger, shown at INFO on stderr when the application configured no logging (as
-    ``transformers`` does for its own); otherwise records propagate to the application's handlers."""
+def library_logger(name: str) -> logging.Logger:
+    """The logger ``name`` (a module of ``nemo_anchor``), under ``nemo_anchor``'s logger, which is shown at INFO on
+    stderr when the application configured no logging (as ``transformers`` does for its own); otherwise records
+    propagate to the application's handlers."""
     library = logging.getLogger("nemo_anchor")
     if not library.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -303,7 +304,7 @@ def _library_logger() -> logging.Logger:
         library.addHandler(handler)
     if library.level == logging.NOTSET:
         library.setLevel(logging.INFO)
-    return logging.getLogger(__name__)
+    return logging.getLogger(name)
 
 
 def unavailable_reason(backend: str, q: torch.Tensor, needs_grad: bool, mode: str,

@@ -21,12 +21,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from nemo_anchor.attention import anchor_attention
-from nemo_anchor.attention.functional import ChosenBackend, choose_backend, log_backend_choice, needs_grad
+from nemo_anchor.attention.functional import (ChosenBackend, choose_backend, library_logger, log_backend_choice,
+                                              needs_grad)
 from nemo_anchor.attention.layout import PackLayout
-from nemo_anchor.model.packed_seq import packed_layout
+from nemo_anchor.model.packed_seq import AnchorPackedSeqParams, packed_layout
 
 _CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _LOGGED: set[tuple[str, str]] = set()  # the (mask, backend) pairs whose choice this process has logged
+_WARNED_PLAIN_ROPE = False  # whether this process has warned that plain PackedSeqParams restart RoPE per document
 
 
 class AnchorCoreAttention(MegatronModule):
@@ -96,6 +98,8 @@ class AnchorCoreAttention(MegatronModule):
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed:  # boundaries describe the whole pack: each rank holds t = pack / cp tokens
             layout = packed_layout(packed_seq_params, query.shape[0] * cp_size, self.mask, cp_size)
+            if not isinstance(packed_seq_params, AnchorPackedSeqParams) and self.mask in ("anchor", "full"):
+                _warn_plain_params_rope(self.mask)
             out = self._attend(query, key, value, layout)
             return out.reshape(out.size(0), -1)
 
@@ -139,3 +143,17 @@ class AnchorCoreAttention(MegatronModule):
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return
         log_backend_choice(chosen, self.mask, q, grad, self.deterministic)
+
+
+def _warn_plain_params_rope(mask: str) -> None:
+    """Once per process: Megatron applies RoPE per ``cu_seqlens_q`` segment, so plain params restart the positions
+    at every document, while the ``anchor`` and ``full`` paradigms define them continuous over the window."""
+    global _WARNED_PLAIN_ROPE
+    if _WARNED_PLAIN_ROPE:
+        return
+    _WARNED_PLAIN_ROPE = True
+    library_logger(__name__).warning(
+        "nemo_anchor attention: the %s mask got Megatron's plain PackedSeqParams: Megatron applies RoPE per "
+        "cu_seqlens_q segment, so positions restart at every document, while the %s paradigm defines them "
+        "continuous over the window; build the parameters with nemo_anchor.model.packed_seq.make_packed_seq_params "
+        "to keep them continuous", mask, mask)
