@@ -258,7 +258,8 @@ def test_an_interruption_after_a_scheduled_checkpoint_keeps_what_averaging_needs
     run = RunDir(output / "variants" / "anchor" / "train")
     assert [checkpoint_step(p) for p in run.list_checkpoints()] == [2, 3]
     assert ablate(output, corpus, ["anchor"], *extra) == 0  # resumes from 3, saves 4, averages 2 and 4
-    assert [checkpoint_step(p) for p in run.list_checkpoints()] == [2, 4]  # the signal's checkpoint is gone
+    # the newest keep_last (2) checkpoints survive, the signal's among them, and so do the scheduled ones averaged
+    assert [checkpoint_step(p) for p in run.list_checkpoints()] == [2, 3, 4]
     assert _report(output)["checkpoint_steps"] == [2, 4]
 
 
