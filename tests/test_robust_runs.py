@@ -365,7 +365,8 @@ def test_old_lock_without_start_time_naming_a_live_pid_is_kept_until_it_expires(
 
 
 def test_renewal_stops_when_the_lease_was_taken_over(tmp_path):
-    lease = RunLease(tmp_path / LOCK_FILE, renew_s=0.1, timeout_s=0.5)
+    # a timeout far above the renewal interval: on a loaded machine a renewal late by the timeout gives the lease up
+    lease = RunLease(tmp_path / LOCK_FILE, renew_s=0.1, timeout_s=60)
     lease.acquire()
     lease.start_renewing()
     first = json.loads((tmp_path / LOCK_FILE).read_text())["renewed"]

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         launch.resolve_bridge_config(config)  # this process's devices decide what the recipe left to them
     except launch.CudaExpected as error:  # a GPU job that sees no GPU: one line, before anything is written
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launch.global_rank() == 0:
         print(f"{parser.prog}: {launch.devices()}", flush=True)
     allow_change = [key for value in args.allow_change for key in value.split(",") if key]
     with run_guard.claimed(config) as guard:  # the lock, resume comparison, tokenizer check, exit status
