@@ -76,7 +76,7 @@ class Preloaded:
 
     def close(self) -> None:
         self.server.stdin.close()
-        self.server.wait(timeout=60)
+        self.server.wait(timeout=300)  # its exit unloads NeMo or Bridge: over a minute was seen on a machine at load 40
         os.close(self.replies)
 
     def __enter__(self) -> Preloaded:
