@@ -573,6 +573,19 @@ class RunGuard:
         """:meth:`RunClaim.fence` on the lease holder; True elsewhere (the other ranks change nothing in the folder)."""
         return self.claim is None or self.claim.fence(act)
 
+    def fence_everywhere(self, act: str, device) -> bool:
+        """:meth:`fence` decided on the lease holder and agreed by every rank (one all-reduce on ``device``): for an
+        act all ranks take together (a distributed save), which no rank may start when the holder may not."""
+        import torch
+        import torch.distributed as dist
+
+        allowed = self.fence(act)
+        if dist.is_initialized():
+            flag = torch.tensor([int(allowed)], device=device, dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            allowed = bool(flag.item())
+        return allowed
+
     def lost_here(self) -> bool:
         """Whether this rank held the lease and lost it (read from the file now; an unreadable one is not lost
         yet: its fence refuses each write, and the renewals give it up when that lasts)."""

@@ -22,9 +22,10 @@ from typing import Iterator
 import torch
 from megatron.bridge.training import state as bridge_state
 from megatron.bridge.training.callbacks import Callback, CallbackContext
-from megatron.bridge.training.checkpointing import DefaultCheckpointManager
+from megatron.bridge.training.checkpointing import DefaultCheckpointManager, cleanup_old_non_persistent_checkpoint
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, all_gather_item
 
+from nemo_anchor.bridge.run_guard import guard_of
 from nemo_anchor.training import optimizer_state
 from nemo_anchor.training.preemption import StopRequest, hold_stop_signals, release_stop_signals, signals_deferred
 
@@ -50,11 +51,38 @@ class StopSignalHandler(DistributedSignalHandler):
 
 
 class AnchorCheckpointManager(DefaultCheckpointManager):
-    """Bridge's checkpoint manager, saving with the stop signals deferred and loading torch's Adam exactly."""
+    """Bridge's checkpoint manager, saving with the stop signals deferred and loading torch's Adam exactly, fenced
+    by the run's guard (:func:`nemo_anchor.bridge.run_guard.guard_of`) as ``nemo-anchor train``'s saves are.
+
+    Bridge's ``save_checkpoint`` writes ``iter_N``, the tracker ``latest_checkpointed_iteration.txt`` and evicts
+    beyond ``most_recent_k`` in one call (``training/checkpointing.py:1059``): the lease holder reads the lease
+    before it starts (all ranks skip a refused save together), and the eviction of a synchronous persistent save
+    runs after it, fenced again, through Bridge's own ``cleanup_old_non_persistent_checkpoint``. A refused save
+    changes nothing; when the lease was lost the run stops (RunDirInUse), at the final save too.
+    """
 
     def save(self, ctx, callback_manager) -> None:
-        with signals_deferred():  # the writer's processes, started here, survive a group signal
-            super().save(ctx, callback_manager)
+        guard = guard_of(self.checkpoint_config.save)
+        if guard is None:
+            with signals_deferred():  # the writer's processes, started here, survive a group signal
+                super().save(ctx, callback_manager)
+            return
+        step = ctx.state.train_state.step
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        if not guard.fence_everywhere(f"save iter_{step:07d}", device):
+            guard.stop_if_lost(device, step)
+            return  # the lease could not be read: this save is skipped, the next one asks again
+        config, keep = self.checkpoint_config, self.checkpoint_config.most_recent_k
+        evict_after = keep > -1 and not config.async_save and not ctx.non_persistent_ckpt
+        if evict_after:
+            config.most_recent_k = -1  # Bridge's eviction, inside its save, would not read the lease
+        try:
+            with signals_deferred():
+                super().save(ctx, callback_manager)
+        finally:
+            config.most_recent_k = keep
+        if evict_after and guard.fence(f"remove checkpoints older than the newest {keep}"):
+            cleanup_old_non_persistent_checkpoint(config.save, leave_ckpt_num=keep, do_async=False)  # rank 0 only
 
     def load(self, ctx) -> tuple[int, int]:
         if ctx.optimizer is None or not optimizer_state.torch_adam():

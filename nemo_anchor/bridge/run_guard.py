@@ -151,6 +151,16 @@ class _RecordWithCheckpoint(Callback):
                 staging.write_text(json.dumps({**self.record, "step": context.state.train_state.step}, indent=1))
 
 
+# the guard of each claimed checkpoint.save, for the run's checkpoint manager (nemo_anchor.bridge.preemption), which
+# Bridge builds from the config's class name
+_GUARDS: dict[Path, RunGuard] = {}
+
+
+def guard_of(save: str) -> RunGuard | None:
+    """The guard of the run claiming ``save`` in this process, or None (a Bridge run without our door)."""
+    return _GUARDS.get(Path(save).resolve())
+
+
 @contextlib.contextmanager
 def claimed(config) -> Iterator[RunGuard]:
     """One run writes into ``checkpoint.save`` (the lock, taken by the global rank 0 before anything is written
@@ -162,8 +172,10 @@ def claimed(config) -> Iterator[RunGuard]:
     try:
         if global_rank() == 0:
             guard.claim = RunClaim(RunDir(config.checkpoint.save))
+        _GUARDS[Path(config.checkpoint.save).resolve()] = guard
         yield guard
     finally:
+        _GUARDS.pop(Path(config.checkpoint.save).resolve(), None)
         guard.release(failed=False)  # Bridge's iter_* are not our checkpoints/: nothing is removed
         release_stop_signals()
 

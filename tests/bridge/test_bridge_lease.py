@@ -116,3 +116,78 @@ def test_under_srun_without_torchrun_only_task_0_takes_the_lease(tmp_path, monke
     with run_guard.claimed(SimpleNamespace(checkpoint=SimpleNamespace(save=str(save)))) as guard:
         assert (save / LOCK_FILE).is_file() == holds and (guard.claim is not None) == holds
     assert not (save / LOCK_FILE).exists()
+
+
+def _bridge_folder(save: Path, steps: list[int]) -> None:
+    """Bridge's checkpoints as its save leaves them: ``iter_N`` and the tracker naming the newest."""
+    for step in steps:
+        (save / f"iter_{step:07d}").mkdir(parents=True)
+        (save / f"iter_{step:07d}" / "common.pt").write_bytes(b"shards")
+    (save / "latest_checkpointed_iteration.txt").write_text(str(steps[-1]))
+
+
+def _folder(save: Path) -> dict:
+    return {str(p.relative_to(save)): p.read_bytes() if p.is_file() else None for p in sorted(save.rglob("*"))}
+
+
+INTRUDER = json.dumps({"host": "another-host", "pid": 1, "token": "another run", "started": "now"})
+
+
+def test_a_save_after_the_lease_was_taken_over_writes_nothing(tmp_path, monkeypatch, capsys):
+    """The lease is taken over between the step's check and Bridge's save: the manager reads the lease file before
+    the save starts, writes no iter_N and no tracker, says so and stops the run (the final save too). ~1 CPU s."""
+    from types import SimpleNamespace
+
+    from nemo_anchor.bridge import run_guard  # first: it makes Bridge importable here
+    from nemo_anchor.bridge.preemption import AnchorCheckpointManager
+    from nemo_anchor.run_lease import RunDirInUse
+    from megatron.bridge.training.config import CheckpointConfig
+
+    monkeypatch.setenv("RANK", "0")
+    save = tmp_path / "run"
+    _bridge_folder(save, [1, 2])
+    config = CheckpointConfig(save=str(save), most_recent_k=1)
+    with run_guard.claimed(SimpleNamespace(checkpoint=config)):
+        manager = AnchorCheckpointManager(config)
+        before = _folder(save)
+        (save / LOCK_FILE).write_text(INTRUDER)
+        ctx = SimpleNamespace(state=SimpleNamespace(train_state=SimpleNamespace(step=3)), non_persistent_ckpt=False)
+        with pytest.raises(RunDirInUse, match="another run took this run's lease over; this run stops at step 3"):
+            manager.save(ctx, None)
+        assert _folder(save) == {**before, LOCK_FILE: INTRUDER.encode()}
+    assert (save / LOCK_FILE).read_text() == INTRUDER
+    assert f"output_dir {save}: this run does not save iter_0000003: it does not hold its lease" in \
+        capsys.readouterr().err
+
+
+def test_an_eviction_after_the_lease_was_taken_over_removes_nothing(tmp_path, monkeypatch, capsys):
+    """The lease is taken over while Bridge saves (a run paused past its lease timeout): the eviction beyond
+    ``most_recent_k`` reads the lease file first and removes none of the other run's checkpoints. Bridge's save is
+    stood in for by what it leaves (iter_N, the tracker) and its own eviction call (checkpointing.py:1620). ~1 CPU s."""
+    from types import SimpleNamespace
+
+    from nemo_anchor.bridge import run_guard  # first: it makes Bridge importable here
+    from nemo_anchor.bridge.preemption import AnchorCheckpointManager
+    from megatron.bridge.training import checkpointing
+    from megatron.bridge.training.config import CheckpointConfig
+
+    monkeypatch.setenv("RANK", "0")
+    save = tmp_path / "run"
+    _bridge_folder(save, [1, 2])
+
+    def bridge_save_then_taken_over(self, ctx, callback_manager):
+        _bridge_folder(save, [ctx.state.train_state.step])
+        (save / LOCK_FILE).write_text(INTRUDER)
+        if self.checkpoint_config.most_recent_k > -1:  # Bridge evicts inside its save
+            checkpointing.cleanup_old_non_persistent_checkpoint(
+                str(save), leave_ckpt_num=self.checkpoint_config.most_recent_k, do_async=False)
+
+    monkeypatch.setattr(checkpointing.DefaultCheckpointManager, "save", bridge_save_then_taken_over)
+    config = CheckpointConfig(save=str(save), most_recent_k=1)
+    with run_guard.claimed(SimpleNamespace(checkpoint=config)):
+        ctx = SimpleNamespace(state=SimpleNamespace(train_state=SimpleNamespace(step=3)), non_persistent_ckpt=False)
+        AnchorCheckpointManager(config).save(ctx, None)
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001", "iter_0000002", "iter_0000003"]
+    assert config.most_recent_k == 1
+    assert f"output_dir {save}: this run does not remove checkpoints older than the newest 1: it does not hold its " \
+           f"lease" in capsys.readouterr().err
