@@ -217,6 +217,11 @@ class AnchorRunGuard(pl.Callback):
         lease another run took over stops without writing."""
         self._guard.stop_if_lost(pl_module.device, trainer.global_step)
 
+    @property
+    def guard(self) -> Optional[RunGuard]:
+        """This run's guard, from ``setup`` until the run ends (None outside a training run)."""
+        return self._guard
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._release()
 
@@ -229,6 +234,12 @@ class AnchorRunGuard(pl.Callback):
             self._guard.release(failed=False)  # NeMo's log directory is NeMo's: only the lock goes
             self._guard = None
         release_stop_signals()  # a run that ends before its stop handler was installed
+
+
+def guard_of(trainer: pl.Trainer) -> Optional[RunGuard]:
+    """The run guard of ``trainer``'s :class:`AnchorRunGuard` (None without one, or outside a training run): what
+    :class:`~nemo_anchor.nemo.strategy.AnchorMegatronStrategy` fences its saves and removals with."""
+    return next((callback.guard for callback in trainer.callbacks if isinstance(callback, AnchorRunGuard)), None)
 
 
 class AnchorPreemption(PreemptionCallback):

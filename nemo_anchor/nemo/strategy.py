@@ -12,6 +12,7 @@ The strategy also resumes Megatron-Core's distributed optimizer over torch's Ada
 on any device) exactly, through :mod:`nemo_anchor.training.optimizer_state` as the other front doors do.
 """
 import inspect
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -21,6 +22,7 @@ from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecisio
 from nemo.utils import logging
 
 from nemo_anchor import launch
+from nemo_anchor.nemo.run_guard import guard_of
 from nemo_anchor.training import optimizer_state
 from nemo_anchor.training.preemption import signals_deferred, start_checkpoint_writer_queue
 
@@ -45,12 +47,28 @@ class AnchorMegatronStrategy(nl.MegatronStrategy):
         if trainer.training:
             start_checkpoint_writer_queue()
 
-    def save_checkpoint(self, *args, **kwargs):
-        """NeMo's save with the stop signals held back, so that the processes Megatron's writer starts
-        (its Manager, its writers) survive a signal sent to the whole process group and the
-        preemption save after it still works (:func:`nemo_anchor.training.preemption.signals_deferred`)."""
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        """NeMo's save, fenced by the run's lease and with the stop signals held back.
+
+        The lease holder reads the lease file before the save writes anything, and every rank agrees (the save is
+        collective): a refused save writes nothing, and a run whose lease was taken over stops there
+        (``RunDirInUse``), at its final save too. The signals are held so that the processes Megatron's writer
+        starts (its Manager, its writers) survive a signal sent to the whole process group and the preemption save
+        after it still works (:func:`nemo_anchor.training.preemption.signals_deferred`)."""
+        guard, device = guard_of(self.trainer), self.lightning_module.device
+        if guard is not None and not guard.fence_everywhere(f"save {Path(filepath).name}", device):
+            guard.stop_if_lost(device, self.trainer.global_step)
+            return  # the lease could not be read: this save is skipped, the next one asks again
         with signals_deferred():
-            return super().save_checkpoint(*args, **kwargs)
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath) -> None:
+        """NeMo's removal of an older checkpoint (ModelCheckpoint's top-k), fenced by the run's lease: a run that no
+        longer holds it removes nothing from the folder, which is another run's now."""
+        guard = guard_of(self.trainer)
+        if guard is not None and not guard.fence(f"remove {Path(filepath).name}"):
+            return
+        super().remove_checkpoint(filepath)
 
     def optimizer_sharded_state_dict(self, is_loading: bool = False, **kwargs):
         """NeMo's, with torch Adam's state created before a load builds what it loads into
