@@ -75,8 +75,11 @@ class Preloaded:
         return json.loads(line)
 
     def close(self) -> None:
+        # asked in words, not by the end of its input: a process forked from this one since the server started (the
+        # checkpoint writer's Manager of a run trained in the test process) holds the pipe's write end as well
+        self.server.stdin.write(json.dumps({"exit": True}) + "\n")
         self.server.stdin.close()
-        self.server.wait(timeout=300)  # its exit unloads NeMo or Bridge: over a minute was seen on a machine at load 40
+        self.server.wait(timeout=120)
         os.close(self.replies)
 
     def __enter__(self) -> Preloaded:
@@ -146,6 +149,8 @@ def serve(replies) -> dict:
     signal.signal(signal.SIGTERM, stop)
     for line in sys.stdin:
         request = json.loads(line)
+        if request.get("exit"):
+            break
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
