@@ -88,11 +88,13 @@ def file_digests(root: Path, names: list[str]) -> dict[str, list]:
     return {name: [(root / name).stat().st_size, file_digest(root / name)] for name in names}
 
 
-def _rank() -> int:
+def process_rank() -> int:
+    """This process's rank in torch.distributed's default group (0 without one)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _world() -> int:
+def process_count() -> int:
+    """How many processes torch.distributed's default group holds (1 without one)."""
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -108,7 +110,7 @@ def gather_from_all(value) -> list:
     """Every rank's ``value``, in rank order."""
     if not dist.is_initialized():
         return [value]
-    every = [None] * _world()
+    every = [None] * process_count()
     dist.all_gather_object(every, value)
     return every
 
@@ -202,7 +204,7 @@ def verification(enabled: bool):
 
 def say_once(message: str) -> None:
     """Print ``message`` on rank 0 only."""
-    if _rank() == 0:
+    if process_rank() == 0:
         print(message, flush=True)
 
 
@@ -221,7 +223,7 @@ def verify_files(ckpt_dir: str | os.PathLike, report: Callable[[str], None] = sa
     """
     ckpt_dir = Path(ckpt_dir)
     problem = sums = None  # rank 0 reads them; every rank gets them
-    if _rank() == 0:
+    if process_rank() == 0:
         try:
             sums = read_manifest(ckpt_dir / CHECKSUMS) if (ckpt_dir / CHECKSUMS).is_file() else None
             if sums is None:
@@ -237,7 +239,8 @@ def verify_files(ckpt_dir: str | os.PathLike, report: Callable[[str], None] = sa
     problem, sums = broadcast_from_first((problem, sums))
     if sums is not None:
         names = sorted(sums)
-        found = {name: why for part in gather_from_all(_damaged_files(ckpt_dir, sums, names[_rank()::_world()]))
+        mine = names[process_rank()::process_count()]
+        found = {name: why for part in gather_from_all(_damaged_files(ckpt_dir, sums, mine))
                  for name, why in part.items()}
         problem = found[min(found)] if found else None
     if problem:

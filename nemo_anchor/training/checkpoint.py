@@ -35,8 +35,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-from nemo_anchor.checksums import (AFTER_THE_FACT, READ_BACK, CheckpointError, _rank, _world, broadcast_from_first,
-                                   file_digests, gather_from_all, newest_intact, say_once, verifying, write_manifest)
+from nemo_anchor.checksums import (AFTER_THE_FACT, READ_BACK, CheckpointError, broadcast_from_first, file_digests,
+                                   gather_from_all, newest_intact, process_count, process_rank, say_once, verifying,
+                                   write_manifest)
 from nemo_anchor.convert.megatron_state import MASTER_PREFIX
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import optimizer_state
@@ -52,12 +53,12 @@ def layout() -> dict:
             "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
             "context": parallel_state.get_context_parallel_world_size(),
             "data": parallel_state.get_data_parallel_world_size(),
-            "world": _world()}
+            "world": process_count()}
 
 
 def rng_object(state) -> ShardedObject:
     """This rank's RNG ``state`` as the checkpoint's ``rng`` entry (None: the one to load)."""
-    return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
+    return ShardedObject("rng_state", state, (process_count(),), (process_rank(),), replica_id=0)
 
 
 def rng_state() -> dict:
@@ -88,7 +89,7 @@ def complete_pending(ckpt_dir: Path, report: Callable[[str], None] = say_once) -
     only that the files did not change from now on) replaces :data:`PENDING`. Otherwise it stays pending, and is
     not used."""
     problem, sizes = None, None
-    if _rank() == 0:
+    if process_rank() == 0:
         try:
             sizes = json.loads((ckpt_dir / PENDING).read_text())
             if not isinstance(sizes, dict) or not sizes or \
@@ -104,7 +105,7 @@ def complete_pending(ckpt_dir: Path, report: Callable[[str], None] = say_once) -
     if problem is None:
         started = time.perf_counter()
         try:
-            mine, failed = file_digests(ckpt_dir, sorted(sizes)[_rank()::_world()]), None
+            mine, failed = file_digests(ckpt_dir, sorted(sizes)[process_rank()::process_count()]), None
         except OSError as err:
             mine, failed = {}, f"cannot read {err.filename or ckpt_dir}: {err.strerror or err}"
         every, failures = zip(*gather_from_all((mine, failed)))
@@ -113,7 +114,7 @@ def complete_pending(ckpt_dir: Path, report: Callable[[str], None] = say_once) -
         if problem is None:
             problem = next((f"{ckpt_dir / name} has {value[0]} bytes now, {PENDING} recorded {sizes[name]}"
                             for name, value in sorted(sums.items()) if value[0] != sizes[name]), None)
-        if problem is None and _rank() == 0:
+        if problem is None and process_rank() == 0:
             write_manifest(ckpt_dir, sums, AFTER_THE_FACT)
             (ckpt_dir / PENDING).unlink()
             report(f"recorded the checksums of {ckpt_dir.name}, pending since its save on a stop "
@@ -134,9 +135,9 @@ def record_checksums(ckpt_dir: str | os.PathLike) -> None:
     Collective: each rank reads its share of the files, rank 0 writes the manifest."""
     ckpt_dir = Path(ckpt_dir)
     names = broadcast_from_first(sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file())
-                                 if _rank() == 0 else None)
-    every = gather_from_all(file_digests(ckpt_dir, names[_rank()::_world()]))
-    if _rank() == 0:
+                                 if process_rank() == 0 else None)
+    every = gather_from_all(file_digests(ckpt_dir, names[process_rank()::process_count()]))
+    if process_rank() == 0:
         write_manifest(ckpt_dir, {name: value for part in every for name, value in part.items()}, READ_BACK)
 
 
@@ -158,13 +159,14 @@ def pick_resumable(run: RunDir, report: Callable[[str], None] = say_once) -> Pat
     Raises:
         CheckpointError: the run has checkpoints and none is intact; nothing has been changed.
     """
-    candidates = broadcast_from_first(run.list_checkpoints() if _rank() == 0 else None)
+    candidates = broadcast_from_first(run.list_checkpoints() if process_rank() == 0 else None)
     if not candidates:
         return None
     if not verifying():
         found = candidates[-1]
     else:
-        pending = broadcast_from_first([c for c in candidates if has_pending_checksums(c)] if _rank() == 0 else None)
+        pending = broadcast_from_first([c for c in candidates if has_pending_checksums(c)] if process_rank() == 0
+                                       else None)
         unusable = {candidate: complete_pending(candidate, report) for candidate in reversed(pending)}
         found, damaged = None, []
         for candidate in reversed(candidates):
@@ -181,7 +183,7 @@ def pick_resumable(run: RunDir, report: Callable[[str], None] = say_once) -> Pat
                 f"cannot resume {run.root}: none of its checkpoints is intact ({'; '.join(damaged)}); nothing was "
                 f"changed. Restore a checkpoint from a copy, train into a new output_dir, or resume unverified with "
                 f"checkpoint.verify=false")
-    return found if broadcast_from_first(has_training_state(found) if _rank() == 0 else None) else None
+    return found if broadcast_from_first(has_training_state(found) if process_rank() == 0 else None) else None
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, engine) -> dict:

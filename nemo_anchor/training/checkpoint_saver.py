@@ -55,8 +55,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from nemo_anchor.atomic import atomic_file, durable_replace, fsync_file, write_faults_named
-from nemo_anchor.checksums import (AS_WRITTEN, READ_BACK, CheckpointError, ContentDigest, _rank, _world,
-                                   broadcast_from_first, file_digests, gather_from_all, say_once, write_manifest)
+from nemo_anchor.checksums import (AS_WRITTEN, READ_BACK, CheckpointError, ContentDigest, broadcast_from_first,
+                                   file_digests, gather_from_all, process_count, process_rank, say_once,
+                                   write_manifest)
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.training import optimizer_state
 from nemo_anchor.training.checkpoint import MODEL_PREFIX, PENDING, SCHEDULED, layout, rng_object, rng_state
@@ -298,7 +299,7 @@ class CheckpointSaver:
         started = time.perf_counter()
         final = self.run.checkpoint(step)
         tmp = self.run.checkpoints / f"{STAGING_PREFIX}{final.name}"
-        if _rank() == 0:
+        if process_rank() == 0:
             if tmp.exists():
                 self._deletions.start([_rename_away(tmp)])
             tmp.mkdir(parents=True)
@@ -396,19 +397,19 @@ class CheckpointSaver:
         _barrier()
         reported = {name: entry for part in gather_from_all(self._reported(pending.tmp)) for name, entry in
                     part.items()}
-        if _rank() == 0:
+        if process_rank() == 0:
             (pending.tmp / "config.yaml").write_text(run_config_yaml)
         pending.times.written = time.perf_counter() - pending.started
-        if _rank() == 0:
+        if process_rank() == 0:
             sizes = _file_sizes(pending.tmp)
             small = [name for name in sizes if not name.endswith(SHARD_SUFFIX)]
             written = {**{name: reported[name] for name in sizes if name in reported},
                        **_just_written(pending.tmp, small)}
             complete = sorted(written) == sorted(sizes) and all(written[name][0] == sizes[name] for name in sizes)
             shared = sizes, written if complete else None
-        pending.sizes, pending.written = broadcast_from_first(shared if _rank() == 0 else None)
+        pending.sizes, pending.written = broadcast_from_first(shared if process_rank() == 0 else None)
         if read_back:
-            pending.read_back = _ReadBack(pending.tmp, sorted(pending.sizes)[_rank()::_world()])
+            pending.read_back = _ReadBack(pending.tmp, sorted(pending.sizes)[process_rank()::process_count()])
             pending.read_back.start()
 
     def _publish(self, *, read_back: bool) -> bool:
@@ -422,7 +423,7 @@ class CheckpointSaver:
             elif pending.read_back is not None:
                 pending.read_back.cancel()  # a stop does not wait for it
             removed, published = [], False
-            if _rank() == 0:
+            if process_rank() == 0:
                 _flush_tree(pending.tmp)
                 if sums is not None:
                     write_manifest(pending.tmp, sums, recorded)
