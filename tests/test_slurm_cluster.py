@@ -17,6 +17,7 @@ nodes, training the 1-layer test model (tests/tiny_runs.py); what Slurm does is 
   no torchrun traceback (the batch script cannot tell a preemption from scancel: both read COMPLETING).
 """
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -37,7 +38,7 @@ from tiny_runs import REPO, child_environment, pack_texts, tiny_config  # tests/
 LONG = 10_000
 MORE = 3  # the completing job's steps beyond the checkpoint it resumes last
 WAIT_S = 600  # how long any one wait gives up after (a step logged, a job state reached)
-SPARE = "anchor-n3"  # the third node: idle while a two-node job runs
+SPARE = f"anchor{os.environ.get('LOCAL_CLUSTER_TAG', '')}-n3"  # the third node: idle while a two-node job runs
 SLURM = REPO / "scripts/slurm"
 
 

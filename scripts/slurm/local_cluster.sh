@@ -12,17 +12,20 @@
 # what it records in DIR/made: the bridge, the veth pairs, the network namespaces and /etc/hosts lines marked
 # with DIR; `down` removes exactly those and stops the daemons whose pids it recorded. The system's own munged
 # and Slurm, if any, are not used or touched. Needs root, slurm-wlm and munge (scripts/test.sh installs them).
-# Settings: LOCAL_CLUSTER_NET (the /24 prefix, 10.77.0), LOCAL_CLUSTER_PORT (slurmctld's port, 16817).
+# Settings: LOCAL_CLUSTER_NET (the /24 prefix, 10.77.0), LOCAL_CLUSTER_PORT (slurmctld's port, 16817),
+# LOCAL_CLUSTER_TAG (up to 3 letters or digits, none by default: in the names of the nodes, anchor<TAG>-nN, and of
+# the links). Clusters with different tags, prefixes and ports run side by side.
 set -euo pipefail
 
 NET=${LOCAL_CLUSTER_NET:-10.77.0}
 PORT=${LOCAL_CLUSTER_PORT:-16817}
-BRIDGE=na-slurm-br
+TAG=${LOCAL_CLUSTER_TAG:-}
+BRIDGE=na-slurm$TAG-br
 WAIT_S=60  # every wait below gives up after this long
 
 die() { echo "local_cluster.sh: $*" >&2; exit 1; }
 
-node_name() { echo "anchor-n$1"; }  # node N's hostname, namespace and Slurm NodeName
+node_name() { echo "anchor$TAG-n$1"; }  # node N's hostname, namespace and Slurm NodeName
 
 # Why `up` cannot run here (nothing), on stdout
 unavailable() {
@@ -33,6 +36,8 @@ unavailable() {
   done
   unshare -u true 2> /dev/null || { echo "unshare -u (a UTS namespace) is refused here"; return; }
   [[ $NET =~ ^10\.[0-9]+\.[0-9]+$ ]] || { echo "LOCAL_CLUSTER_NET=$NET is not a 10.x.y prefix"; return; }
+  [[ $TAG =~ ^[a-z0-9]{0,3}$ ]] || { echo "LOCAL_CLUSTER_TAG=$TAG is not 0 to 3 lowercase letters or digits"; return; }
+  [[ $PORT =~ ^[0-9]+$ ]] || { echo "LOCAL_CLUSTER_PORT=$PORT is not a port number"; return; }
 }
 
 up() {
@@ -72,21 +77,21 @@ up() {
     name=$(node_name "$n")
     ip netns add "$name"
     echo "netns $name" >> "$dir/made"
-    ip link add "na-slurm-$n" type veth peer name "na-slurm-$n-in"
-    echo "link na-slurm-$n" >> "$dir/made"
-    ip link set "na-slurm-$n-in" netns "$name"
-    ip -n "$name" link set "na-slurm-$n-in" name eth0
+    ip link add "nas$TAG-$n" type veth peer name "nas$TAG-$n-in"  # link names: 15 characters at most
+    echo "link nas$TAG-$n" >> "$dir/made"
+    ip link set "nas$TAG-$n-in" netns "$name"
+    ip -n "$name" link set "nas$TAG-$n-in" name eth0
     ip -n "$name" addr add "$NET.$((10 + n))/24" dev eth0
     ip -n "$name" link set lo up
     ip -n "$name" link set eth0 up
-    ip link set "na-slurm-$n" master "$BRIDGE" up
+    ip link set "nas$TAG-$n" master "$BRIDGE" up
     echo "$NET.$((10 + n)) $name $hosts_marker" >> /etc/hosts
   done
   echo "hosts $hosts_marker" >> "$dir/made"
 
   cat > "$dir/slurm.conf" <<EOF
 # written by scripts/slurm/local_cluster.sh up $dir
-ClusterName=nemo-anchor-local
+ClusterName=nemo-anchor-local$TAG
 SlurmctldHost=$controller($NET.1)
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
