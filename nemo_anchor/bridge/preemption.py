@@ -41,8 +41,10 @@ from nemo_anchor.training import optimizer_state
 from nemo_anchor.training.preemption import (EXIT_INTERRUPTED, StopRequest, hold_stop_signals, release_stop_signals,
                                              signals_deferred, stopped_and_saved)
 
-# what Bridge says when its exit-signal handler stops the run (training/train.py:1414), whatever the signal
+# what Bridge says when its exit-signal handler stops the run (training/train.py:1414), whatever the signal, through
+# its barrier_and_log (a barrier, then rank 0 prints)
 _BRIDGE_STOP_MESSAGE = "exiting program after receiving SIGTERM."
+_bridge_barrier_and_log = bridge_train.barrier_and_log
 
 
 class StopSignalHandler(DistributedSignalHandler):
@@ -160,9 +162,6 @@ class StopsAsEveryDoor(Callback):
         if message == _BRIDGE_STOP_MESSAGE and self.stopped():
             message = f"exiting program after receiving {self.signal_name() or 'a stop signal on another rank'}."
         _bridge_barrier_and_log(message)
-
-
-_bridge_barrier_and_log = bridge_train.barrier_and_log
 
 
 class _ExitWithStatusZeroIsNoFailure(logging.Filter):
