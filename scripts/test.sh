@@ -32,7 +32,7 @@ LAUNCH_TESTS=(
 # train.sbatch on a real local Slurm cluster: mostly waiting on the scheduler (~8 min wall, ~180 CPU s), so a lane
 # of its own, started first
 SLURM_TESTS=(tests/test_slurm_cluster.py)
-# bridge.sbatch on the same cluster's folder, in .venv-bridge (~3 min wall, ~120 CPU s): a lane that waits for the
+# bridge.sbatch on the same cluster's folder, in .venv-bridge (3-5 min wall, ~130 CPU s): a lane that waits for the
 # Slurm lane (one pytest session, one cluster at a time there: flock on the folder's lock file)
 BRIDGE_SLURM_TESTS=(tests/bridge/test_bridge_slurm.py)
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
