@@ -158,7 +158,7 @@ class StopsAsEveryDoor(Callback):
         return self.handler.signal_name if self.handler is not None else None
 
     def naming_the_signal(self, message: str) -> None:
-        """Bridge's ``barrier_and_log`` (a barrier, then rank 0 prints), with Bridge's stop message naming the signal."""
+        """Bridge's ``barrier_and_log``, with Bridge's stop message naming the signal that came."""
         if message == _BRIDGE_STOP_MESSAGE and self.stopped():
             message = f"exiting program after receiving {self.signal_name() or 'a stop signal on another rank'}."
         _bridge_barrier_and_log(message)

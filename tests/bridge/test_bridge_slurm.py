@@ -1,4 +1,4 @@
-"""``scripts/slurm/bridge.sbatch`` on a real Slurm cluster, submitted as a Megatron-Bridge user submits it (.venv-bridge).
+"""``scripts/slurm/bridge.sbatch`` on a real Slurm cluster, submitted as a Megatron-Bridge user submits it.
 
 The cluster is ``scripts/slurm/local_cluster.sh``'s (the ``slurm_cluster`` fixture): slurmctld and three slurmd on
 this machine, each node with its own address and hostname. One job, ``sbatch --export=ALL,CONFIG=...,SAVE=...
