@@ -4,8 +4,8 @@
 #   .venv-bridge  the Megatron-Bridge tests and our trainer / pack / export-hf / probe / eval tests on
 #                 megatron-core 0.19.2 + transformers 5 (BRIDGE_TESTS below)
 # NEMO_ANCHOR_SKIP_BRIDGE=1 skips the .venv-bridge lane for quick local runs; CI (CI=true) always runs it.
-# Five pytest lanes go side by side on the two cores (docs/testing.md says why and what each costs); the first
-# prints live, the others' outputs follow it. Each ends with its 15 slowest tests.
+# Five pytest lanes go side by side on the two cores, a sixth after the Slurm lane (docs/testing.md says why and
+# what each costs); the first prints live, the others' outputs follow it. Each ends with its 15 slowest tests.
 # The exit status is non-zero when any lane fails; the last line adds them up.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
@@ -32,6 +32,9 @@ LAUNCH_TESTS=(
 # train.sbatch on a real local Slurm cluster: mostly waiting on the scheduler (~8 min wall, ~180 CPU s), so a lane
 # of its own, started first
 SLURM_TESTS=(tests/test_slurm_cluster.py)
+# bridge.sbatch on the same cluster's folder, in .venv-bridge (3-5 min wall, ~130 CPU s): a lane that waits for the
+# Slurm lane (one pytest session, one cluster at a time there: flock on the folder's lock file)
+BRIDGE_SLURM_TESTS=(tests/bridge/test_bridge_slurm.py)
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
 # spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -48,6 +51,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
     || { echo "[test] apt-get could not install slurm-wlm munge strace: their tests skip"; tail -3 "$LOGS/apt.log"; }
 fi
 export NEMO_ANCHOR_SLURM_DIR="$LOGS/slurm"
+SLURM_LOCK="$LOGS/slurm.lock"
 LOCAL_CLUSTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/slurm/local_cluster.sh"
 # the background lanes have sessions of their own: stopped with all their processes if this script stops first;
 # the Slurm cluster is brought down even if its lane could not
@@ -55,20 +59,24 @@ trap 'for pid in "${background[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
       bash "$LOCAL_CLUSTER" down "$NEMO_ANCHOR_SLURM_DIR"; rm -rf "$LOGS"' EXIT
 
 pytest_args=(-q -p no:cacheprovider --durations=15)
-in_background() {  # in_background NAME PYTHON ARGS...: pytest in its own session, output in $LOGS/NAME.log
-  local name="$1" python="$2"
-  shift 2
-  setsid "$python" -m pytest "${pytest_args[@]}" "$@" > "$LOGS/$name.log" 2>&1 < /dev/null &
+in_background() {  # in_background NAME [flock LOCK] PYTHON ARGS...: pytest in its own session, output in $LOGS/NAME.log
+  local name="$1" lock=()
+  shift
+  [ "$1" != flock ] || { lock=(flock "$2"); shift 2; }
+  local python="$1"
+  shift
+  setsid "${lock[@]}" "$python" -m pytest "${pytest_args[@]}" "$@" > "$LOGS/$name.log" 2>&1 < /dev/null &
   background+=("$!")
   echo "[test] $name: running in the background; its output follows"
 }
 
-in_background venv-slurm python "${SLURM_TESTS[@]}" "$@"
+in_background venv-slurm flock "$SLURM_LOCK" python "${SLURM_TESTS[@]}" "$@"
 if [ "${NEMO_ANCHOR_SKIP_BRIDGE:-0}" = 1 ] && [ "${CI:-false}" != true ]; then
   echo "[test] NEMO_ANCHOR_SKIP_BRIDGE=1: .venv-bridge not run"
 else
   setup_bridge_env
-  in_background venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}"
+  in_background venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}" "${BRIDGE_SLURM_TESTS[@]/#/--ignore=}"
+  in_background venv-bridge-slurm flock "$SLURM_LOCK" .venv-bridge/bin/python "${BRIDGE_SLURM_TESTS[@]}"
 fi
 echo "[test] environments ready after ${SECONDS}s"
 in_background venv-nemo-run python "${NEMO_RUN_TESTS[@]}" "$@"

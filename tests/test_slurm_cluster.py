@@ -17,12 +17,10 @@ nodes, training the 1-layer test model (tests/tiny_runs.py); what Slurm does is 
   no torchrun traceback (the batch script cannot tell a preemption from scancel: both read COMPLETING).
 """
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ import yaml
 
 from nemo_anchor.cli import main
 from nemo_anchor.run_dir import RunDir, checkpoint_step
+from slurm_jobs import SPARE, _job, _requeued, _scontrol, _stop_line, _wait_until  # tests/slurm_jobs.py
 from tiny_runs import REPO, child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
 
 # each job's trainer.max_steps: far more than the events below need, so that none comes after the run's end however
@@ -37,8 +36,6 @@ from tiny_runs import REPO, child_environment, pack_texts, tiny_config  # tests/
 # extends or shortens a run between restarts)
 LONG = 10_000
 MORE = 3  # the completing job's steps beyond the checkpoint it resumes last
-WAIT_S = 600  # how long any one wait gives up after (a step logged, a job state reached)
-SPARE = f"anchor{os.environ.get('LOCAL_CLUSTER_TAG', '')}-n3"  # the third node: idle while a two-node job runs
 SLURM = REPO / "scripts/slurm"
 
 
@@ -63,25 +60,6 @@ def jobs(setup):
     for job in submitted:
         _wait_until(lambda: _job(env, job)["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"),
                     f"job {job} to end")
-
-
-def _scontrol(env, *args) -> str:
-    return subprocess.run(["scontrol", *args], env=env, capture_output=True, text=True, check=True,
-                          timeout=60).stdout
-
-
-def _job(env, job: str) -> dict[str, str]:
-    """``job``'s fields (JobState, Restarts, NodeList, ...); JobState PURGED once slurmctld forgot it."""
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
-                           timeout=60)
-    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout)) if shown.returncode == 0 else {"JobState": "PURGED"}
-
-
-def _wait_until(condition, what: str) -> None:
-    deadline = time.time() + WAIT_S
-    while not condition():
-        assert time.time() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.5)
 
 
 def _submit(setup, jobs, *overrides, nodes: int = 2, config: Path | None = None) -> tuple[str, Path]:
@@ -113,13 +91,6 @@ def _wait_for_step(env, job: str, run: Path, step: int) -> None:
     _wait_until(reached, f"{run} to log step {step}")
 
 
-def _requeued(env, job: str, restarts: int) -> None:
-    """Wait for ``job``'s requeue number ``restarts``, then start it now (a requeued job waits ~2 min otherwise)."""
-    _wait_until(lambda: (lambda state: state["JobState"] == "PENDING" and state.get("Restarts") == str(restarts))(
-        _job(env, job)), f"job {job}'s requeue {restarts}")
-    _scontrol(env, "update", f"jobid={job}", "StartTime=now")
-
-
 def _check_losses(setup, run: Path, last: int) -> None:
     """Steps 1..last each logged once, with the losses of an uninterrupted single-process run."""
     root, config, _ = setup
@@ -130,15 +101,6 @@ def _check_losses(setup, run: Path, last: int) -> None:
     losses = _losses(run)
     assert sorted(losses) == list(range(1, last + 1))
     assert losses == pytest.approx({s: v for s, v in _losses(reference).items() if s <= last}, rel=1e-5, abs=1e-6)
-
-
-def _stop_line(log: Path, ending: str) -> int:
-    """The step of the checkpoint named by the log's one planned-stop line ending with ``ending``."""
-    text = log.read_text()
-    assert "SignalException" not in text and "Exited with exit code" not in text, text[-4000:]
-    lines = [line for line in text.splitlines() if line.startswith("job ") and " stopped on " in line]
-    assert len(lines) == 1 and lines[0].endswith(ending), lines
-    return int(re.search(r"iter_(\d+)", lines[0]).group(1))
 
 
 def test_preemption_saves_a_second_job_is_refused_and_scancel_saves_without_requeue(setup, jobs):

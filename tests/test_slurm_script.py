@@ -1,9 +1,10 @@
-"""``scripts/slurm/train.sbatch`` hands the overrides typed after it to the trainer unchanged.
+"""``scripts/slurm/train.sbatch`` and ``bridge.sbatch`` hand the overrides typed after them to the run unchanged.
 
 The script runs as Slurm runs a batch script (bash, with the job's variables); ``srun``, ``scontrol`` and
 ``python`` (which runs scripts/slurm/torchrun.py, torchrun) on its PATH are the thinnest stand-ins that keep what
 the script is responsible for: srun runs its command once, as a one-node job's task, and python records the
-arguments it was given. tests/test_slurm_cluster.py runs the script on a real Slurm cluster. What torchrun and the
+arguments it was given. tests/test_slurm_cluster.py and tests/bridge/test_bridge_slurm.py run them on a real
+Slurm cluster. What torchrun and the
 trainer do with them is tested elsewhere (tests/test_cluster.py).
 """
 import os
@@ -21,7 +22,11 @@ STANDINS = {
 }
 
 
-def test_overrides_reach_torchrun_as_typed(tmp_path):
+OVERRIDES = ["checkpoint.allow_change=[o,p]", "run.name=two words", "data.note='quoted' \"too\"", "x=*"]
+
+
+def _run_batch_script(tmp_path, script: str, **variables) -> list[str]:
+    """``script`` run as Slurm runs it on one node, with OVERRIDES typed after it; the arguments python was given."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in STANDINS.items():
@@ -31,15 +36,25 @@ def test_overrides_reach_torchrun_as_typed(tmp_path):
     work.mkdir()
     for name in ("o", "p", ","):
         (work / name).write_text("")
-    overrides = ["checkpoint.allow_change=[o,p]", "run.name=two words", "data.note='quoted' \"too\"", "x=*"]
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CONFIG": "configs/my run.yaml",
-           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
-           "ARGV_FILE": str(tmp_path / "argv")}
-    done = subprocess.run(["bash", str(REPO / "scripts/slurm/train.sbatch"), *overrides], cwd=work, env=env,
+    (work / "scripts").symlink_to(REPO / "scripts")  # the job runs from the repository: the scripts it sources
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node0",
+           "SLURM_NNODES": "1", "SLURM_NODEID": "0", "ARGV_FILE": str(tmp_path / "argv"), **variables}
+    done = subprocess.run(["bash", str(REPO / "scripts/slurm" / script), *OVERRIDES], cwd=work, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     argv = (tmp_path / "argv").read_text().split("\0")[:-1]
     assert argv[0] == "scripts/slurm/torchrun.py"
-    assert argv[argv.index("--config") + 1:] == ["configs/my run.yaml", *overrides]
     assert argv[argv.index("--master-addr") + 1] == "node0"
     assert argv[argv.index("--nproc-per-node") + 1] == "8"
+    return argv
+
+
+def test_overrides_reach_torchrun_as_typed(tmp_path):
+    argv = _run_batch_script(tmp_path, "train.sbatch", CONFIG="configs/my run.yaml")
+    assert argv[argv.index("--config") + 1:] == ["configs/my run.yaml", *OVERRIDES]
+
+
+def test_overrides_reach_bridge_as_typed(tmp_path):
+    argv = _run_batch_script(tmp_path, "bridge.sbatch", RECIPE="anchor_smollm2_135m", SAVE="/runs/my run")
+    assert argv[argv.index("-m") + 1:] == ["nemo_anchor.bridge.pretrain", "--recipe", "anchor_smollm2_135m",
+                                           "checkpoint.save=/runs/my run", "checkpoint.load=/runs/my run", *OVERRIDES]

@@ -12,6 +12,11 @@ Importing (:func:`install_import_shims`, before ``import megatron.bridge``):
 - ``training/pretrain.py:19`` imports ``nvidia_resiliency_ext.inprocess.CallWrapper`` for a type
   annotation. The only nvrx on PyPI (0.4.1) breaks ``import megatron.core`` (``nvrx.py:44``
   wants 0.6), so it stays absent and that module gets a stand-in while it executes.
+- ``peft/utils.py:67`` looks up ``FP8GlobalStateManager`` in megatron-core's TE extension, which has it only
+  when TE is installed; Bridge's ``safe_import_from`` logs the ``AttributeError`` and its traceback at INFO
+  (``utils/import_utils.py:333``; twice once the root logger has a handler: its logger has one of its own), so
+  every run began with a traceback. Bridge takes the name as absent, as it is: without TE, records of a name
+  missing from that extension are not logged (any other is, and an import that fails otherwise still raises).
 
 Running (:func:`install_runtime_shims`, once ``megatron.bridge`` imports):
 
@@ -34,6 +39,8 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
+import re
 import sys
 import types
 
@@ -95,6 +102,15 @@ class _LoaderWithStandIns(importlib.abc.Loader):
                 sys.modules.pop(name, None)
 
 
+class _NoTransformerEngineNames(logging.Filter):
+    """Drops Bridge's record of a name missing from megatron-core's TE extension (TE absent)."""
+
+    MISSING = re.compile(r"Import of \w+ from megatron\.core\.extensions\.transformer_engine failed with:")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.MISSING.match(record.getMessage())
+
+
 class _StandInFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname not in _STAND_INS:
@@ -112,6 +128,8 @@ def install_import_shims() -> bool:
         return False
     if not _import_shims:
         sys.meta_path.insert(0, _StandInFinder())
+        if importlib.util.find_spec("transformer_engine") is None:
+            logging.getLogger("megatron.bridge.utils.import_utils").addFilter(_NoTransformerEngineNames())
         _import_shims = True
     install_cpu_shims()
     return True

@@ -9,25 +9,42 @@
   save (the writer's processes) start with the stop signals blocked, so that a signal to the whole
   process group (Slurm, Kubernetes, torchrun) leaves them alive for the exit-signal save:
   :func:`stopping_as_every_door` holds the signals (held already from before the lock was taken,
-  :func:`nemo_anchor.bridge.run_guard.claimed`) until training starts (:class:`SignalsHeldUntilTraining`),
+  :func:`nemo_anchor.bridge.run_guard.claimed`) until training starts (:class:`StopsAsEveryDoor`),
   and :class:`AnchorCheckpointManager` (Bridge's ``checkpoint.custom_manager_class``) saves with them deferred.
 - A resume of the distributed optimizer over torch's Adam (no Apex or TE Adam) is exact:
   :class:`AnchorCheckpointManager` loads through :mod:`nemo_anchor.training.optimizer_state`, as the other doors.
+- The log says what happened, as in the other doors: Bridge's "exiting program after receiving SIGTERM." names the
+  signal that came (``training/train.py:1414`` names SIGTERM whatever it was); Bridge ends the stopped run with
+  ``sys.exit(0)``, which its ``pretrain()`` logs as "Pretrain failed ... SystemExit: 0" with a traceback
+  (``training/pretrain.py:202``, for any exception): not logged for an exit with status 0; and the run ends with
+  :func:`~nemo_anchor.training.preemption.stopped_and_saved`'s line (signal, checkpoint, run again) and status 75.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+from pathlib import Path
 from typing import Iterator
 
 import torch
+from megatron.bridge.training import pretrain as bridge_pretrain
 from megatron.bridge.training import state as bridge_state
+from megatron.bridge.training import train as bridge_train
 from megatron.bridge.training.callbacks import Callback, CallbackContext
 from megatron.bridge.training.checkpointing import DefaultCheckpointManager, cleanup_old_non_persistent_checkpoint
+from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name
 from megatron.bridge.training.utils.sig_utils import DistributedSignalHandler, all_gather_item
 
 from nemo_anchor.bridge.run_guard import guard_of
+from nemo_anchor.launch import global_rank
 from nemo_anchor.training import optimizer_state
-from nemo_anchor.training.preemption import StopRequest, hold_stop_signals, release_stop_signals, signals_deferred
+from nemo_anchor.training.preemption import (EXIT_INTERRUPTED, StopRequest, hold_stop_signals, release_stop_signals,
+                                             signals_deferred, stopped_and_saved)
+
+# what Bridge says when its exit-signal handler stops the run (training/train.py:1414), whatever the signal, through
+# its barrier_and_log (a barrier, then rank 0 prints)
+_BRIDGE_STOP_MESSAGE = "exiting program after receiving SIGTERM."
+_bridge_barrier_and_log = bridge_train.barrier_and_log
 
 
 class StopSignalHandler(DistributedSignalHandler):
@@ -36,11 +53,19 @@ class StopSignalHandler(DistributedSignalHandler):
 
     def __enter__(self) -> "StopSignalHandler":
         self.released = False
+        self.stopping = False  # whether a rank received one, as the ranks last agreed
         self._stop = StopRequest().__enter__()
         return self
 
     def signals_received(self) -> list[bool]:
-        return all_gather_item(self._stop.requested, dtype=torch.int32)
+        received = all_gather_item(self._stop.requested, dtype=torch.int32)
+        self.stopping = self.stopping or any(received)
+        return received
+
+    @property
+    def signal_name(self) -> str | None:
+        """The stop signal this process received (SIGUSR1, ...); None when the stop is another rank's."""
+        return self._stop.signal_name
 
     def release(self) -> bool:
         if self.released:
@@ -114,13 +139,39 @@ def _state_created_for_a_load(optimizer) -> Iterator[None]:
 MANAGER = f"{AnchorCheckpointManager.__module__}.{AnchorCheckpointManager.__qualname__}"
 
 
-class SignalsHeldUntilTraining(Callback):
+class StopsAsEveryDoor(Callback):
     """Ends the block of the stop signals (:func:`~nemo_anchor.training.preemption.hold_stop_signals`) when training
     starts, Bridge's handler installed (a signal held meanwhile then arrives: the run stops at its first step
-    boundary, after a save)."""
+    boundary, after a save), and keeps that handler, which says what stopped the run."""
+
+    handler: StopSignalHandler | None = None
 
     def on_train_start(self, context: CallbackContext) -> None:
+        self.handler = context.state.signal_handler if context.state.cfg.train.exit_signal_handler else None
+        self.state = context.state
         release_stop_signals()
+
+    def stopped(self) -> bool:
+        return isinstance(self.handler, StopSignalHandler) and self.handler.stopping
+
+    def signal_name(self) -> str | None:
+        return self.handler.signal_name if self.handler is not None else None
+
+    def naming_the_signal(self, message: str) -> None:
+        """Bridge's ``barrier_and_log``, with Bridge's stop message naming the signal that came."""
+        if message == _BRIDGE_STOP_MESSAGE and self.stopped():
+            message = f"exiting program after receiving {self.signal_name() or 'a stop signal on another rank'}."
+        _bridge_barrier_and_log(message)
+
+
+class _ExitWithStatusZeroIsNoFailure(logging.Filter):
+    """Bridge's ``pretrain()`` logs every exception that ends training as "Pretrain failed ... with SystemExit: 0"
+    and its traceback, its own ``sys.exit(0)`` after a planned stop included: that record is dropped (a failure's,
+    any other exception or status, is kept)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, SystemExit) and error.code in (0, None))
 
 
 @contextlib.contextmanager
@@ -128,16 +179,33 @@ def stopping_as_every_door(config) -> Iterator[Callback]:
     """``with stopping_as_every_door(config) as callback: pretrain(config, step, callbacks=[..., callback])``.
 
     Sets Bridge's exit-signal handling on with :class:`StopSignalHandler` and, unless the config names its
-    own, :class:`AnchorCheckpointManager`; blocks the stop signals until training starts.
+    own, :class:`AnchorCheckpointManager`; blocks the stop signals until training starts. A run stopped by a signal
+    ends with one line (the signal, the checkpoint saved, run again; printed by the global rank 0) and status 75.
     """
     config.train.exit_signal_handler = True
     if config.checkpoint.custom_manager_class is None:
         config.checkpoint.custom_manager_class = MANAGER
+    stops = StopsAsEveryDoor()
     bridge_handler = bridge_state.DistributedSignalHandler
     bridge_state.DistributedSignalHandler = StopSignalHandler
+    bridge_train.barrier_and_log = stops.naming_the_signal
+    exit_is_no_failure = _ExitWithStatusZeroIsNoFailure()
+    bridge_pretrain.logger.addFilter(exit_is_no_failure)
     hold_stop_signals()
     try:
-        yield SignalsHeldUntilTraining()
+        yield stops
+    except SystemExit as exit:  # Bridge ends a run stopped by its exit signal with sys.exit(0), after the save
+        if exit.code not in (0, None) or not stops.stopped():
+            raise
+        if global_rank() == 0:
+            step = stops.state.train_state.step
+            saved = Path(get_checkpoint_name(config.checkpoint.save, step))
+            print(stopped_and_saved(stops.signal_name(), saved, step) if saved.is_dir() else  # a save refused
+                  f"stop requested ({stops.signal_name() or 'by another rank'}) at step {step}: not saved (see "
+                  f"above); run the same command again to resume from {config.checkpoint.save}", flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     finally:
         release_stop_signals()
+        bridge_pretrain.logger.removeFilter(exit_is_no_failure)
+        bridge_train.barrier_and_log = _bridge_barrier_and_log
         bridge_state.DistributedSignalHandler = bridge_handler

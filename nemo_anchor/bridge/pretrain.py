@@ -103,13 +103,13 @@ def main(argv: list[str] | None = None) -> None:
 def _pretrain(config, callbacks: list) -> None:
     from megatron.bridge.training.pretrain import pretrain
 
-    # SIGTERM, SIGINT and SIGUSR1 save and stop, the processes Bridge starts survive a group signal, and the
-    # distributed optimizer resumes exactly over torch's Adam (nemo_anchor.bridge.preemption)
-    with stopping_as_every_door(config) as signals_held:
+    # SIGTERM, SIGINT and SIGUSR1 save and stop with one line and status 75, the processes Bridge starts survive a
+    # group signal, and the distributed optimizer resumes exactly over torch's Adam (nemo_anchor.bridge.preemption)
+    with stopping_as_every_door(config) as stops:
         # the writer's result queue, forked now rather than spawned by the first save, which may be a stop's
         # (a spawned one imports this whole stack again: 20-40 s per run here)
         start_checkpoint_writer_queue(config.checkpoint.async_write_results_mp_mode)
-        pretrain(config, anchor_forward_step, callbacks=[*callbacks, signals_held])
+        pretrain(config, anchor_forward_step, callbacks=[*callbacks, stops])
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@
   ``scheduler.override_opt_param_scheduler`` (Megatron-LM's ``--override-opt-param-scheduler``).
   ``optim.lr``, ``optim.min_lr`` and ``optim.weight_decay`` stay refused even when allowed:
   Megatron-Core cannot load the optimizer state under new ones (the refusal says so).
-- Preemption: Bridge's own exit-signal save, on SIGTERM, SIGINT and SIGUSR1 as in every door
-  (:mod:`nemo_anchor.bridge.preemption`), ends the run; :func:`checked` turns that end into
-  ``nemo-anchor train``'s status 75, so the same command resumes.
+- Preemption: Bridge's own exit-signal save, on SIGTERM, SIGINT and SIGUSR1 as in every door, ends the run
+  with ``nemo-anchor train``'s line and status 75, so the same command resumes (:mod:`nemo_anchor.bridge.preemption`).
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from nemo_anchor.data.tokenizer import check_same_tokenizer, find_tokenizer, loa
 from nemo_anchor.run_dir import RunDir
 from nemo_anchor.run_lease import RunClaim, RunGuard
 from nemo_anchor.training import resume
-from nemo_anchor.training.preemption import EXIT_INTERRUPTED, hold_stop_signals, release_stop_signals
+from nemo_anchor.training.preemption import hold_stop_signals, release_stop_signals
 
 RECORD_FILE = "run_guard.json"
 
@@ -109,20 +108,6 @@ def _read_record(path: Path) -> dict:
     return saved
 
 
-class _SignalSeen(Callback):
-    """Keeps Bridge's state, whose signal handler says at the end whether a signal stopped the run."""
-
-    state = None
-
-    def on_train_start(self, context: CallbackContext) -> None:
-        self.state = context.state
-
-    def stopped_by_signal(self) -> bool:
-        handler = self.state.signal_handler if self.state is not None and self.state.cfg.train.exit_signal_handler \
-            else None
-        return handler is not None and any(handler.signals_received())
-
-
 class _LeaseHeld(Callback):
     """Before any save of a step (Bridge saves after ``on_train_step_end``), every rank learns whether rank 0 still
     holds the lease on ``checkpoint.save``: a run whose lease another run took over stops without writing."""
@@ -183,13 +168,7 @@ def claimed(config) -> Iterator[RunGuard]:
 @contextlib.contextmanager
 def checked(config, allow_change: list[str], guard: RunGuard) -> Iterator[list[Callback]]:
     """``with claimed(config) as guard, checked(config, allow, guard) as callbacks: pretrain(config, step,
-    callbacks=[..., *callbacks])``: the checks, the lease held before every save, the record for the next resume
-    written with each checkpoint, Bridge's exit-signal save, and exit status 75 after it."""
+    callbacks=[..., *callbacks])``: the checks, the lease held before every save, and the record for the next
+    resume written with each checkpoint."""
     record = check(config, allow_change)
-    seen = _SignalSeen()
-    try:
-        yield [seen, _LeaseHeld(guard), _RecordWithCheckpoint(record, config.checkpoint.save)]
-    except SystemExit as exit:  # Bridge ends a run stopped by its exit signal with sys.exit(0), after the save
-        if exit.code in (0, None) and seen.stopped_by_signal():
-            raise SystemExit(EXIT_INTERRUPTED) from None
-        raise
+    yield [_LeaseHeld(guard), _RecordWithCheckpoint(record, config.checkpoint.save)]

@@ -13,7 +13,8 @@ The public API, for any front door::
             ...
             if agreed(stop.requested):     # e.g. an all_reduce(MAX) of the flag
                 with signals_deferred():    # the save's helper processes survive a group signal
-                    save()
+                    checkpoint = save()
+                print(stopped_and_saved(stop.signal_name, checkpoint, step))  # one line: what, where, what next
                 sys.exit(EXIT_INTERRUPTED)
 
 :func:`hold_stop_signals` closes the window between a run's first change of its folder (its lease) and its stop
@@ -42,6 +43,13 @@ from typing import Iterator
 # exit status of a run stopped by a signal after saving its checkpoint (EX_TEMPFAIL: run it again to resume)
 EXIT_INTERRUPTED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def stopped_and_saved(signal_name: str | None, saved, step: int, detail: str = "") -> str:
+    """The line every front door ends a planned stop with: the signal (None: another rank's), the checkpoint saved,
+    what comes next (``detail``: the door's own, after the step)."""
+    return (f"stop requested ({signal_name or 'by another rank'}): saved {saved} at step {step}{detail}; "
+            f"run the same command again to resume")
 
 
 class StopRequest:

@@ -308,3 +308,5 @@ def test_group_sigterm_after_earlier_saves_saves_the_step_reached_and_exits_75(s
     assert run.returncode == 75, out[-3000:]
     latest = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert latest == max(steps()) >= 5 and (save / f"iter_{latest:07d}").is_dir(), (latest, steps())
+    assert out.splitlines()[-1].startswith(f"stop requested (SIGTERM): saved {save / f'iter_{latest:07d}'} at step"), \
+        out[-3000:]

@@ -5,16 +5,12 @@ Every layout starts from the same weights, a random Llama imported through AutoB
 tensor 2 x context 2 (context parallel's all-gather; tests/bridge/test_bridge.py runs its a2a) each
 equal one process of `nemo-anchor train` from those weights within 1e-5. Batches reach every rank in
 Megatron-LM's fixed packed shapes. Bridge's distributed optimizer (data parallel 2) equals that one
-process and resumes bit for bit: saved on two nodes (two torchrun launchers under their own hostnames
-sharing this filesystem) where ``unshare -u`` is permitted, on one node otherwise, and resumed by the same
-two ranks on one node. The one-node runs fork their ranks from a process that imported Bridge once
-(tests/preloaded.py). Skipped where Megatron-Bridge is not installed.
+process and resumes bit for bit (on two nodes of a real Slurm cluster, through a time-limit requeue and a
+node failure: tests/bridge/test_bridge_slurm.py). The runs fork their ranks from a process that imported
+Bridge once (tests/preloaded.py). Skipped where Megatron-Bridge is not installed.
 """
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,9 +26,7 @@ import transformers  # noqa: E402
 from nemo_anchor.cli import main as cli  # noqa: E402
 from nemo_anchor.data import (PackedDataset, byte_tokenizer, collate_windows, fixed_shape_batch,  # noqa: E402
                               variable_shape_batch)
-from tiny_runs import free_port  # noqa: E402  tests/tiny_runs.py
 
-REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Pack my box with five dozen liquor jugs! " * 4,
          "How vexingly quick daft zebras jump; " * 9, "a", "Waltz, bad nymph, for quick jigs vex. " * 12] * 6
 # tiny, with heads divisible by tensor x context parallel sizes; the byte vocabulary padded for tensor 2
@@ -149,47 +143,15 @@ def test_distributed_optimizer_equals_one_process(one_process, data_parallel_2):
         assert data_parallel_2[step] == pytest.approx(one_process[step], abs=1e-5)
 
 
-def can_unshare() -> bool:
-    return subprocess.run(["unshare", "-u", "true"], capture_output=True).returncode == 0
-
-
-def bridge_pretrain_on_two_nodes(config, save, *overrides, timeout=600):
-    """Two torchrun launchers of one process each, on hosts node0 and node1 (own UTS namespaces),
-    sharing this filesystem, as on a cluster of two nodes."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    launchers = [subprocess.Popen(
-        ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh",
-         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "-m", "nemo_anchor.bridge.pretrain", "--config", str(config), f"checkpoint.save={save}",
-         f"checkpoint.load={save}", "--peak-tflops", "1", *overrides],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    try:
-        outputs = [launcher.communicate(timeout=timeout)[0] for launcher in launchers]
-    finally:
-        for launcher in launchers:
-            if launcher.poll() is None:
-                launcher.kill()
-    for launcher, output in zip(launchers, outputs):
-        assert launcher.returncode == 0, output[-3000:]
-    return {r["step"]: r["loss"] for r in map(json.loads, (Path(save) / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
-
-
 def test_distributed_optimizer_saves_sharded_and_resumes_exactly(pretrain_cli, run_config, start_checkpoint,
                                                                  data_parallel_2, tmp_path):
-    """2 steps saved on two nodes where `unshare -u` is permitted (one node otherwise), then resumed to 3 by the
-    same two ranks requeued on one node."""
+    """2 steps saved by two ranks, then resumed to 3 by the same two ranks."""
     from megatron.core import dist_checkpointing
 
     split = tmp_path / "split"
     start = f"checkpoint.pretrained_checkpoint={start_checkpoint}"
-    first = (start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2", "checkpoint.save_interval=2")
-    if can_unshare():
-        bridge_pretrain_on_two_nodes(run_config[0], split, *first)
-    else:
-        bridge_pretrain(pretrain_cli, run_config[0], split, *first, nproc=2)
+    bridge_pretrain(pretrain_cli, run_config[0], split, start, *DISTRIBUTED_OPTIMIZER, "train.train_iters=2",
+                    "checkpoint.save_interval=2", nproc=2)
     saved = dist_checkpointing.load_content_metadata(str(split / "iter_0000002"))
     assert saved["distrib_optim_sharding_type"] == "dp_reshardable"  # the optimizer state is sharded over ranks
     resumed = bridge_pretrain(pretrain_cli, run_config[0], split, start, *DISTRIBUTED_OPTIMIZER, nproc=2)

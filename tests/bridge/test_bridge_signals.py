@@ -2,7 +2,10 @@
 
 - SIGUSR1 (Slurm's ``--signal=USR1@120``) and SIGINT to the whole process group, after scheduled saves: the run
   saves the step it reached and exits 75, none of its processes is left, and the same command resumes from that
-  checkpoint (SIGTERM: tests/bridge/test_bridge.py).
+  checkpoint (SIGTERM: tests/bridge/test_bridge.py). Its log names the signal (Bridge's own line said SIGTERM
+  whatever came) and ends with the trainer's line naming the signal, the checkpoint and what next; no traceback in
+  it (Bridge logged its planned exit as "Pretrain failed ... SystemExit: 0", and every run began with an import
+  traceback).
 - A job given GPUs that torch cannot see (``CUDA_VISIBLE_DEVICES=0`` on this machine), or a run asking for NCCL,
   stops before its first step with one line naming CUDA and torch's error; with ``NEMO_ANCHOR_ALLOW_CPU=1`` it
   trains on the CPU (the SIGUSR1 run above is that job). The other variables that give a job GPUs (Slurm's)
@@ -106,6 +109,10 @@ def test_a_group_stop_signal_after_earlier_saves_saves_the_step_reached_and_exit
     latest = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert latest == max(steps(save)) >= 5 and (save / f"iter_{latest:07d}").is_dir(), (latest, steps(save))
     assert not left, "processes of the run were left alive"
+    assert "Traceback" not in out and "Pretrain failed" not in out, out[-3000:]
+    assert f"[exiting program after receiving {stop.name}.]" in out, out[-3000:]
+    assert out.splitlines()[-1] == (f"stop requested ({stop.name}): saved {save / f'iter_{latest:07d}'} at step "
+                                    f"{latest}; run the same command again to resume"), out[-3000:]
     # the same command resumes from the stop's checkpoint (forked from tests/preloaded.py: its start is not under test)
     resumed = pretrain_cli.run(command(run_config, save, f"train.train_iters={latest + 1}")[3:])
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
