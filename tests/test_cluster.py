@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -204,3 +205,43 @@ def test_two_nodes_train_save_on_sigusr1_and_resume(setup, tmp_path, launched):
         return outputs[0]
 
     _check_saved_and_resume(setup, run, relaunch)
+
+
+def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of ``launcher``'s worker of global ``rank`` (its child with RANK in its environment)."""
+    children = (Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split())
+    for pid in map(int, children):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} among {children}")
+
+
+def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(setup, tmp_path, launched):
+    """SIGSTOP one worker of two (a hung rank, a frozen node): the other fails its collective after
+    trainer.distributed_timeout_minutes with one line naming it, torchrun stops the frozen worker (SIGTERM, then
+    SIGKILL after its fixed 30 s) and exits non-zero, within that bound; torchrun alone would wait forever."""
+    _, _, config, script = setup
+    run, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    timeout_s, torchrun_stop_s = 6, 30  # 0.1 minutes; torchrun's wait for a failed group's workers to exit
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 "--monitor-interval", "0.5", str(script), "--config", str(config),
+                                 f"output_dir={run}", f"trainer.distributed_timeout_minutes={timeout_s / 60:g}"],
+                                env=child_environment(EXIT_DIR=str(exits)),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launched.append(launcher)
+    _wait_for_step(run, SIGNAL_AFTER, [launcher])
+    os.kill(_worker_of_rank(launcher, 1), signal.SIGSTOP)
+    stopped = time.monotonic()
+    output = launcher.communicate(timeout=WAIT_S)[0]
+    ended = time.monotonic() - stopped
+    assert launcher.returncode != 0 and _exit_statuses(exits) == {"rank0": 1}, output[-3000:]  # rank 1: SIGKILL
+    assert ("nemo-anchor train: error: rank 0 waited longer than trainer.distributed_timeout_minutes=0.1 (6 s) for "
+            "the other ranks") in output, output[-3000:]
+    # the bound, with room for a busy machine; the default (10 minutes) or torch's gloo default (30) are far above
+    assert ended < timeout_s + torchrun_stop_s + 60, ended
+    assert not (run / LOCK_FILE).exists()  # rank 0 left the folder to the restarted run
