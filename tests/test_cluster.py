@@ -12,6 +12,7 @@
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -245,3 +246,57 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(setup, tmp_p
     # the bound, with room for a busy machine; the default (10 minutes) or torch's gloo default (30) are far above
     assert ended < timeout_s + torchrun_stop_s + 60, ended
     assert not (run / LOCK_FILE).exists()  # rank 0 left the folder to the restarted run
+
+
+def _ft_launcher_available() -> bool:
+    try:
+        import nvidia_resiliency_ext.fault_tolerance.launcher  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ft_launcher_available(), reason="nvidia-resiliency-ext (ft_launcher) is not installed in "
+                    "this environment (it breaks megatron-core 0.19's import: .venv-bridge has none)")
+def test_ft_launcher_restarts_a_hung_rank_in_job_from_the_newest_checkpoint(setup, tmp_path, launched):
+    """nvidia-resiliency-ext's ft_launcher instead of torchrun: a SIGSTOPped worker sends no heartbeat, its rank
+    monitor kills it, the launcher restarts both workers in the job, the new rank 0 takes the lease over at once and
+    resumes from the newest checkpoint; SIGTERM to the launcher then saves the step reached on every rank (75). Every
+    step is logged once, with an uninterrupted run's losses. Without the trainer's heartbeats the monitor watches
+    nothing and the run waits for trainer.distributed_timeout_minutes (10)."""
+    _, _, config, script = setup
+    run, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    log = tmp_path / "ft_launcher.log"  # read while it runs
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", "from nvidia_resiliency_ext.fault_tolerance.launcher import main; main()",
+             "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
+             "--workers-stop-timeout", "10", "--term-timeout", "60", "--ft-workload-check-interval", "1",
+             "--ft-rank-heartbeat-timeout", "5", "--ft-enable-nic-monitor", "false",
+             str(script), "--config", str(config), f"output_dir={run}"],
+            env=child_environment(EXIT_DIR=str(exits)), stdout=out, stderr=subprocess.STDOUT, text=True)
+    launched.append(launcher)
+    _wait_for_step(run, SIGNAL_AFTER, [launcher])
+    hung = _worker_of_rank(launcher, 1)
+    os.kill(hung, signal.SIGSTOP)
+    deadline = time.time() + WAIT_S
+    while not (resumed := re.search(r"resumed from \S+ at step (\d+)", log.read_text())):
+        assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    newest = int(resumed.group(1))
+    assert newest >= SIGNAL_AFTER - 1 and newest % 2 == 0  # checkpoint.save_every=2: the newest before the hang
+    _wait_for_step(run, newest + 2, [launcher])
+    launcher.send_signal(signal.SIGTERM)  # ft_launcher forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT (not SIGUSR1)
+    launcher.wait(timeout=WAIT_S)
+    output = log.read_text()
+    assert not Path(f"/proc/{hung}").exists()
+    assert _exit_statuses(exits) == {"rank0": EXIT_PREEMPTED, "rank1": EXIT_PREEMPTED}, output[-3000:]
+    assert "Did not get subsequent heartbeat" in output and "will restart worker group" in output, output[-3000:]
+    assert "took over the lease" not in output or "its process is gone" in output
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "loss" in row]
+    assert steps == list(range(1, len(steps) + 1)), steps  # each step once, in order
+    saved = [checkpoint_step(path) for path in RunDir(run).list_checkpoints()]
+    assert saved[-1] == steps[-1] and not (run / LOCK_FILE).exists()
+    assert _losses(run) == pytest.approx(_reference(setup, steps[-1]), rel=1e-5, abs=1e-6)
