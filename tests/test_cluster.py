@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_anchor.atomic import process_start_time
 from nemo_anchor.cli import main
 from nemo_anchor.run_dir import LOCK_FILE, RunDir, checkpoint_step
 from tiny_runs import child_environment, free_port, pack_texts, tiny_config  # tests/tiny_runs.py
@@ -221,7 +222,18 @@ def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} among {children}")
 
 
-def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(setup, tmp_path, launched):
+def _killer(pid: int):
+    """What SIGKILLs process ``pid`` later if it is still the one it is now (a pid is reused, with its start time
+    it is not)."""
+    started = process_start_time(pid)
+
+    def kill() -> None:
+        if started is not None and process_start_time(pid) == started:
+            os.kill(pid, signal.SIGKILL)
+    return kill
+
+
+def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(setup, tmp_path, launched, request):
     """SIGSTOP one worker of two (a hung rank, a frozen node): the other fails its collective after
     trainer.distributed_timeout_minutes with one line naming it, torchrun stops the frozen worker (SIGTERM, then
     SIGKILL after its fixed 30 s) and exits non-zero, within that bound; torchrun alone would wait forever."""
@@ -236,7 +248,9 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(setup, tmp_p
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     launched.append(launcher)
     _wait_for_step(run, SIGNAL_AFTER, [launcher])
-    os.kill(_worker_of_rank(launcher, 1), signal.SIGSTOP)
+    hung = _worker_of_rank(launcher, 1)
+    os.kill(hung, signal.SIGSTOP)
+    request.addfinalizer(_killer(hung))  # a failed test leaves no frozen worker behind
     stopped = time.monotonic()
     output = launcher.communicate(timeout=WAIT_S)[0]
     ended = time.monotonic() - stopped
@@ -248,7 +262,7 @@ def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(setup, tmp_p
     assert not (run / LOCK_FILE).exists()  # rank 0 left the folder to the restarted run
 
 
-def test_ft_launcher_restarts_a_hung_rank_in_job_from_the_newest_checkpoint(setup, tmp_path, launched):
+def test_ft_launcher_restarts_a_hung_rank_in_job_from_the_newest_checkpoint(setup, tmp_path, launched, request):
     """nvidia-resiliency-ext's ft_launcher instead of torchrun: a SIGSTOPped worker sends no heartbeat, its rank
     monitor kills it, the launcher restarts both workers in the job, the new rank 0 takes the lease over at once and
     resumes from the newest checkpoint; SIGTERM to the launcher then saves the step reached on every rank (75). Every
@@ -273,6 +287,7 @@ def test_ft_launcher_restarts_a_hung_rank_in_job_from_the_newest_checkpoint(setu
     _wait_for_step(run, SIGNAL_AFTER, [launcher])
     hung = _worker_of_rank(launcher, 1)
     os.kill(hung, signal.SIGSTOP)
+    request.addfinalizer(_killer(hung))  # a failed test leaves no frozen worker behind
     deadline = time.time() + WAIT_S
     while not (resumed := re.search(r"resumed from \S+ at step (\d+)", log.read_text())):
         assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]

@@ -81,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from nemo_anchor.parallel.distributed import collective_timed_out
-
     from nemo_anchor.training.config import load_config
     from nemo_anchor.training.loop import train
 

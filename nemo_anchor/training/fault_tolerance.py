@@ -27,8 +27,8 @@ class Heartbeat:
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
         except ImportError as error:  # launched by an ft_launcher of another environment
             raise ValueError(f"{MONITOR_SOCKET_ENV} is set (this worker was started by ft_launcher) but "
-                               f"nvidia-resiliency-ext does not import here ({error}): install it where the "
-                               f"trainer runs, or launch with torchrun") from None
+                             f"nvidia-resiliency-ext does not import here ({error}): install it where the "
+                             f"trainer runs, or launch with torchrun") from None
         client = RankMonitorClient()
         client.init_workload_monitoring()
         self._client = client
