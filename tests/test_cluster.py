@@ -12,14 +12,17 @@
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from nemo_anchor.atomic import process_start_time
 from nemo_anchor.cli import main
 from nemo_anchor.run_dir import LOCK_FILE, RunDir, checkpoint_step
 from tiny_runs import child_environment, free_port, pack_texts, tiny_config  # tests/tiny_runs.py
@@ -204,3 +207,104 @@ def test_two_nodes_train_save_on_sigusr1_and_resume(setup, tmp_path, launched):
         return outputs[0]
 
     _check_saved_and_resume(setup, run, relaunch)
+
+
+def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of ``launcher``'s worker of global ``rank`` (its child with RANK in its environment)."""
+    children = (Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split())
+    for pid in map(int, children):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} among {children}")
+
+
+def _killer(pid: int):
+    """What SIGKILLs process ``pid`` later if it is still the one it is now (a pid is reused, with its start time
+    it is not)."""
+    started = process_start_time(pid)
+
+    def kill() -> None:
+        if started is not None and process_start_time(pid) == started:
+            os.kill(pid, signal.SIGKILL)
+    return kill
+
+
+def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(setup, tmp_path, launched, request):
+    """SIGSTOP one worker of two (a hung rank, a frozen node): the other fails its collective after
+    trainer.distributed_timeout_minutes with one line naming it, torchrun stops the frozen worker (SIGTERM, then
+    SIGKILL after its fixed 30 s) and exits non-zero, within that bound; torchrun alone would wait forever."""
+    _, _, config, script = setup
+    run, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    timeout_s, torchrun_stop_s = 6, 30  # 0.1 minutes; torchrun's wait for a failed group's workers to exit
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 "--monitor-interval", "0.5", str(script), "--config", str(config),
+                                 f"output_dir={run}", f"trainer.distributed_timeout_minutes={timeout_s / 60:g}"],
+                                env=child_environment(EXIT_DIR=str(exits)),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launched.append(launcher)
+    _wait_for_step(run, SIGNAL_AFTER, [launcher])
+    hung = _worker_of_rank(launcher, 1)
+    os.kill(hung, signal.SIGSTOP)
+    request.addfinalizer(_killer(hung))  # a failed test leaves no frozen worker behind
+    stopped = time.monotonic()
+    output = launcher.communicate(timeout=WAIT_S)[0]
+    ended = time.monotonic() - stopped
+    assert launcher.returncode != 0 and _exit_statuses(exits) == {"rank0": 1}, output[-3000:]  # rank 1: SIGKILL
+    assert ("nemo-anchor train: error: rank 0 waited longer than trainer.distributed_timeout_minutes=0.1 (6 s) for "
+            "the other ranks") in output, output[-3000:]
+    # the bound, with room for a busy machine; the default (10 minutes) or torch's gloo default (30) are far above
+    assert ended < timeout_s + torchrun_stop_s + 60, ended
+    assert not (run / LOCK_FILE).exists()  # rank 0 left the folder to the restarted run
+
+
+def test_ft_launcher_restarts_a_hung_rank_in_job_from_the_newest_checkpoint(setup, tmp_path, launched, request):
+    """nvidia-resiliency-ext's ft_launcher instead of torchrun: a SIGSTOPped worker sends no heartbeat, its rank
+    monitor kills it, the launcher restarts both workers in the job, the new rank 0 takes the lease over at once and
+    resumes from the newest checkpoint; SIGTERM to the launcher then saves the step reached on every rank (75). Every
+    step is logged once, with an uninterrupted run's losses. Without the trainer's heartbeats the monitor watches
+    nothing and the run waits for trainer.distributed_timeout_minutes (10)."""
+    pytest.importorskip("nvidia_resiliency_ext.fault_tolerance.launcher",
+                        reason="nvidia-resiliency-ext (ft_launcher) is not installed here (.venv-bridge has none: "
+                               "0.4.1 breaks megatron-core 0.19's import)")
+    _, _, config, script = setup
+    run, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    log = tmp_path / "ft_launcher.log"  # read while it runs
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", "from nvidia_resiliency_ext.fault_tolerance.launcher import main; main()",
+             "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
+             "--workers-stop-timeout", "10", "--term-timeout", "60", "--ft-workload-check-interval", "1",
+             "--ft-rank-heartbeat-timeout", "5", "--ft-enable-nic-monitor", "false",
+             str(script), "--config", str(config), f"output_dir={run}"],
+            env=child_environment(EXIT_DIR=str(exits)), stdout=out, stderr=subprocess.STDOUT, text=True)
+    launched.append(launcher)
+    _wait_for_step(run, SIGNAL_AFTER, [launcher])
+    hung = _worker_of_rank(launcher, 1)
+    os.kill(hung, signal.SIGSTOP)
+    request.addfinalizer(_killer(hung))  # a failed test leaves no frozen worker behind
+    deadline = time.time() + WAIT_S
+    while not (resumed := re.search(r"resumed from \S+ at step (\d+)", log.read_text())):
+        assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    newest = int(resumed.group(1))
+    assert newest >= SIGNAL_AFTER - 1 and newest % 2 == 0  # checkpoint.save_every=2: the newest before the hang
+    _wait_for_step(run, newest + 2, [launcher])
+    launcher.send_signal(signal.SIGTERM)  # ft_launcher forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT (not SIGUSR1)
+    launcher.wait(timeout=WAIT_S)
+    output = log.read_text()
+    assert not Path(f"/proc/{hung}").exists()
+    assert _exit_statuses(exits) == {"rank0": EXIT_PREEMPTED, "rank1": EXIT_PREEMPTED}, output[-3000:]
+    assert "Did not get subsequent heartbeat" in output and "will restart worker group" in output, output[-3000:]
+    assert "took over the lease" not in output or "its process is gone" in output
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "loss" in row]
+    assert steps == list(range(1, len(steps) + 1)), steps  # each step once, in order
+    saved = [checkpoint_step(path) for path in RunDir(run).list_checkpoints()]
+    assert saved[-1] == steps[-1] and not (run / LOCK_FILE).exists()
+    assert _losses(run) == pytest.approx(_reference(setup, steps[-1]), rel=1e-5, abs=1e-6)

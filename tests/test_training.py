@@ -144,6 +144,7 @@ def test_kill_and_sigterm_leave_a_loadable_checkpoint(tmp_path, packed, capsys):
     ("model.seq_length=63", "model.seq_length"),
     ("optim.schedule=exponential", "optim.schedule"),
     ("optim.warmup_steps=-1", "optim.warmup_steps"),
+    ("trainer.distributed_timeout_minutes=0", r"trainer.distributed_timeout_minutes=0.0: must be a positive"),
     ("model.tensor_model_parallel_size=3", "model.num_attention_heads"),
     ("model.pipeline_model_parallel_size=3", "model.num_layers"),
     ("model.recompute_num_layers=1", "model.recompute_num_layers"),

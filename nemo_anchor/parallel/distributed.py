@@ -3,17 +3,28 @@
 The world is split as Megatron splits it: tensor x context x data x pipeline parallel ranks
 (``parallel_state.initialize_model_parallel``). Collectives run on the run's device: NCCL and
 CUDA tensors on GPUs, gloo and CPU tensors otherwise.
+
+Every group waits at most ``trainer.distributed_timeout_minutes`` (:data:`DEFAULT_TIMEOUT_MINUTES`, Megatron-LM's
+and Megatron-Bridge's ``distributed_timeout_minutes`` default) in one collective: a rank that stops making progress
+(hung, stopped, its node frozen) makes the others fail that long after, instead of waiting forever (torchrun does
+not detect hangs). :func:`collective_timed_out` recognises that failure, so the trainer can say it in one line.
 """
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from nemo_anchor.parallel.cpu_shims import install_cpu_shims
+
+# Megatron-LM's --distributed-timeout-minutes and Megatron-Bridge's dist.distributed_timeout_minutes default
+DEFAULT_TIMEOUT_MINUTES = 10.0
+# how gloo and NCCL word a collective that outlived its group's timeout
+_TIMEOUT_WORDS = ("Timed out waiting", "collective operation timeout")
 
 
 @dataclass(frozen=True)
@@ -74,9 +85,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def collective_timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that waited longer than its group's timeout for another rank (gloo raises
+    it in the waiting rank; NCCL's watchdog aborts the process, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default)."""
+    return isinstance(error, RuntimeError) and any(words in str(error) for words in _TIMEOUT_WORDS)
+
+
 def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234, *, tensor_parallel_size: int = 1,
-                        pipeline_parallel_size: int = 1) -> ParallelContext:
-    """Initialise torch.distributed (gloo on the CPU, nccl on GPUs) and Megatron's groups.
+                        pipeline_parallel_size: int = 1,
+                        timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ParallelContext:
+    """Initialise torch.distributed (gloo on the CPU, nccl on GPUs) and Megatron's groups, each collective waiting at
+    most ``timeout_minutes`` for the other ranks (a group made earlier in this process keeps its own).
 
     Under torchrun the environment gives rank and world size; otherwise this is a world of one.
     Re-initialises Megatron's groups when the requested sizes differ from the current ones.
@@ -94,11 +113,12 @@ def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234, *, ten
         backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        timeout = timedelta(minutes=timeout_minutes)
         if "RANK" in os.environ:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:  # no torchrun: a world of one, without leaving rendezvous variables for child processes
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+                                    rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     data_parallel_size = sizes.data_parallel(world)
     if parallel_state.model_parallel_is_initialized() and (
@@ -109,7 +129,7 @@ def initialize_parallel(context_parallel_size: int = 1, seed: int = 1234, *, ten
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes.tensor, pipeline_model_parallel_size=sizes.pipeline,
-            context_parallel_size=sizes.context)
+            context_parallel_size=sizes.context, distributed_timeout_minutes=timeout_minutes)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelContext(
         rank=dist.get_rank(),

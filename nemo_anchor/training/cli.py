@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import asdict
+
+# a rank waited longer than trainer.distributed_timeout_minutes for the others: a fault, not bad input
+EXIT_HUNG = 1
 
 
 def register(subparsers) -> None:
@@ -71,9 +76,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """0 when training reached trainer.max_steps; trainer.preempt_exit_code (75) after SIGTERM, SIGINT or SIGUSR1
-    (checkpoint saved)."""
+    (checkpoint saved); :data:`EXIT_HUNG` (one line) when a collective waited longer than
+    trainer.distributed_timeout_minutes for another rank."""
     import torch.distributed as dist
 
+    from nemo_anchor.parallel.distributed import collective_timed_out
     from nemo_anchor.training.config import load_config
     from nemo_anchor.training.loop import train
 
@@ -82,7 +89,19 @@ def run(args: argparse.Namespace) -> int:
         keys = [key.strip() for key in args.allow_change.split(",") if key.strip()]
         overrides.append(f"checkpoint.allow_change=[{','.join(keys)}]")
     config = load_config(args.config, overrides)
-    summary = train(config)
+    try:
+        summary = train(config)
+    except RuntimeError as error:
+        if not collective_timed_out(error):
+            raise
+        # a rank hung: this one says so and ends, so that the launcher ends the run and the scheduler can restart it
+        minutes = config.trainer.distributed_timeout_minutes
+        reason = " ".join(str(error).split())[:300]
+        print(f"nemo-anchor train: error: rank {os.environ.get('RANK', '0')} waited longer than "
+              f"trainer.distributed_timeout_minutes={minutes:g} ({minutes * 60:g} s) for the other ranks ({reason}): "
+              f"a rank is hung or gone; this run ends here and resumes from its newest checkpoint when started "
+              f"again", file=sys.stderr, flush=True)
+        return EXIT_HUNG
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({"summary": asdict(summary)}, indent=2))
     if dist.is_initialized():

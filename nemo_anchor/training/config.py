@@ -43,6 +43,9 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None  # per-device peak for MFU; default: the GPU's published bf16 peak, else measured
     # exit status after SIGTERM/SIGINT/SIGUSR1 and the checkpoint they save (75, EX_TEMPFAIL: run again to resume)
     preempt_exit_code: int = 75
+    # longest wait of one collective for the other ranks (Megatron's distributed_timeout_minutes): a hung or frozen
+    # rank makes the run end with status 1 this long after, so that it can be restarted (docs/cluster.md)
+    distributed_timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -98,6 +101,9 @@ class RunConfig:
             bad("trainer.peak_tflops", t.peak_tflops, "must be a positive number of TFLOP/s per device (or null)")
         if not 1 <= t.preempt_exit_code <= 255:
             bad("trainer.preempt_exit_code", t.preempt_exit_code, "must be an exit status from 1 to 255")
+        if not t.distributed_timeout_minutes > 0:
+            bad("trainer.distributed_timeout_minutes", t.distributed_timeout_minutes,
+                "must be a positive number of minutes (Megatron's default is 10)")
         if t.global_batch_size % t.micro_batch_size:
             bad("trainer.global_batch_size", t.global_batch_size,
                 f"must be a multiple of trainer.micro_batch_size={t.micro_batch_size}")

@@ -14,6 +14,7 @@ import contextlib
 import shutil
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from nemo_anchor.run_lease import RunClaim, RunDirInUse, RunGuard
 from nemo_anchor import checksums, launch
 from nemo_anchor.training import checkpoint as ckpt
 from nemo_anchor.training import checkpoint_saver
-from nemo_anchor.training import memory, preemption, resume, throughput
+from nemo_anchor.training import fault_tolerance, memory, preemption, resume, throughput
 from nemo_anchor.training.config import RunConfig, to_yaml
 from nemo_anchor.training.engine import Engine, build_engine, parameters_gathered, run_microbatches, train_step
 from nemo_anchor.training.metrics import MetricsLogger
@@ -73,7 +74,7 @@ class Trainer:
         self.dataset, self.valid, vocab_size = self._open_data()
         self.ctx: ParallelContext = initialize_parallel(
             m.context_parallel_size, seed=t.seed, tensor_parallel_size=m.tensor_model_parallel_size,
-            pipeline_parallel_size=m.pipeline_model_parallel_size)
+            pipeline_parallel_size=m.pipeline_model_parallel_size, timeout_minutes=t.distributed_timeout_minutes)
         per_round = t.micro_batch_size * self.ctx.data_parallel_size
         if t.global_batch_size % per_round:
             raise ValueError(
@@ -82,7 +83,8 @@ class Trainer:
         self.config.model.vocab_size = vocab_size
         self.data_record = resume.data_record(config.data.path)
         # the stop flag is agreed between micro-batches on the CPU, so that asking never waits for the device
-        self._stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self._stop_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=t.distributed_timeout_minutes)) \
+            if dist.get_backend() != "gloo" else None
         preemption.hold_stop_signals()  # released in fit(), once its handler is in, or after a failure's clean-up
         try:
             self._guard = self._claim_output_dir()
@@ -373,7 +375,8 @@ class Trainer:
         last, stopped = None, False
         saved = self.resumed_from if self.resumed_from is not None else None
         started, tokens_seen = time.perf_counter(), 0
-        with preemption.StopRequest() as stop:
+        heartbeat = fault_tolerance.Heartbeat()  # ft_launcher's hang detection sees each completed step
+        with preemption.StopRequest() as stop, contextlib.closing(heartbeat):
             preemption.release_stop_signals()  # a signal held back since the lock was taken arrives here
             if self._agree(stop.requested)[0]:  # before the first step: nothing trained, nothing to save
                 logger.write(f"stop requested ({stop.signal_name or 'by another rank'}) before the first step: "
@@ -387,6 +390,7 @@ class Trainer:
                     saved = self._stop_now(saved, stop, logger)
                     stopped = True
                     break
+                heartbeat.beat()
                 self.saver.poll()  # a checkpoint written and checksummed meanwhile is published
                 elapsed = time.perf_counter() - step_start
                 flops = last.pop("flops")

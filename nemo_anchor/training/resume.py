@@ -41,7 +41,7 @@ ALLOWABLE = frozenset(SCHEDULE + ("trainer.global_batch_size", "optim.clip_grad"
 FREE = frozenset({
     "output_dir", "trainer.max_steps", "trainer.micro_batch_size", "trainer.log_every", "trainer.eval_every",
     "trainer.eval_batches", "trainer.num_threads", "trainer.progress_bar", "trainer.peak_tflops",
-    "trainer.preempt_exit_code",
+    "trainer.preempt_exit_code", "trainer.distributed_timeout_minutes",
     "checkpoint.save_every", "checkpoint.keep_last", "checkpoint.resume", "checkpoint.allow_change",
     "checkpoint.verify", "checkpoint.async_save",
     "data.valid_path", "model.recompute", "model.recompute_num_layers", "model.context_parallel_size",
