@@ -24,10 +24,11 @@ BRIDGE_TESTS=(
 )
 # NeMo's own CLI in new processes (each starts NeMo: 20 s of imports)
 NEMO_RUN_TESTS=(tests/test_nemo_run.py)
-# several-rank launches, signals to torchrun, the GPU suite's CPU smoke: the other heavy half of .venv
+# several-rank launches, signals to torchrun, the GPU suite's CPU smoke, the benchmarks' and the GPU-expected doors'
+# new processes: the other half of .venv's CPU seconds (docs/testing.md)
 LAUNCH_TESTS=(
-  tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
-  tests/test_gpu_suite.py tests/test_million_token_window.py
+  tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_hung_rank.py
+  tests/test_stop_save.py tests/test_gpu_suite.py tests/test_million_token_window.py tests/test_bench_scripts.py tests/test_gpu_expected.py
 )
 # train.sbatch on a real local Slurm cluster: mostly waiting on the scheduler (~8 min wall, ~180 CPU s), so a lane
 # of its own, started first

@@ -6,7 +6,8 @@ torchrun drives, can fork its workers instead (``start_method="fork"`` of
 ``torch.distributed.launcher.api.LaunchConfig``): the same agent, rendezvous and environment (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) as ``torchrun --standalone``, without the
 imports. The tests of torchrun itself (signals, two nodes, a rank's one-line error) still launch torchrun:
-tests/test_cluster.py, tests/test_stop_save.py, tests/test_robust_runs.py, tests/bridge/test_bridge_signals.py.
+tests/test_stop_save.py, tests/test_robust_runs.py, tests/bridge/test_bridge_signals.py (and, on a real Slurm
+cluster, tests/test_slurm_cluster.py).
 A command line's ranks: ``Preloaded.run(args, processes=N)`` (tests/preloaded.py).
 """
 import uuid

@@ -85,17 +85,27 @@ def test_this_machine_builds_the_cpu_configs():
 _OVERLAPPED_PRETRAIN = '''
 import sys
 
-# the GPU's DDP config (overlapped grad reduce and param gather) on gloo; dist_checkpointing's spawn-context
-# Manager re-imports this module, so the trainer is imported only here
+
+def train(argv):
+    from nemo_anchor.training.cli import main
+
+    status = main(argv)
+    if status:
+        raise SystemExit(f"rank exited {status}")
+
+
+# the GPU's DDP config (overlapped grad reduce and param gather) on two gloo ranks, forked once the trainer is
+# imported (tests/forked_ranks.py); dist_checkpointing's spawn-context Manager re-imports this module, so the
+# trainer is imported only here
 if __name__ == "__main__":
     import torch
 
+    from forked_ranks import run_ranks
     from nemo_anchor.training import engine
-    from nemo_anchor.training.cli import main
 
     gpu_configs = engine.megatron_configs
     engine.megatron_configs = lambda config, device: gpu_configs(config, torch.device("cuda"))
-    sys.exit(main())
+    run_ranks(2, train, sys.argv[1:])
 '''
 
 
@@ -128,7 +138,9 @@ def test_overlapped_param_gather_trains_and_saves_what_the_straight_run_does(tmp
     script = tmp_path / "overlapped_pretrain.py"
     script.write_text(_OVERLAPPED_PRETRAIN)
     launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {**{k: v for k, v in os.environ.items() if k not in launch}, "OMP_NUM_THREADS": "1"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**{k: v for k, v in os.environ.items() if k not in launch}, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])}  # the script imports forked_ranks
     runs = {}
     for name in ("one process", "overlapped"):
         out = tmp_path / name.replace(" ", "_")
@@ -136,8 +148,8 @@ def test_overlapped_param_gather_trains_and_saves_what_the_straight_run_does(tmp
         if name == "one process":
             assert cli(["train", *arguments]) == 0
         else:
-            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                   str(script), *arguments], capture_output=True, text=True, timeout=600, env=env)
+            proc = subprocess.run([sys.executable, str(script), *arguments], capture_output=True, text=True,
+                                  timeout=600, env=env)
             assert proc.returncode == 0, proc.stderr[-3000:]
         losses = [json.loads(line).get("loss") for line in (out / "metrics.jsonl").read_text().splitlines()]
         dcp_to_torch_save(out / "checkpoints" / "iter_0000002", tmp_path / f"{out.name}.pt")

@@ -285,6 +285,21 @@ def test_cpu_smoke_runs_every_part_and_imports_only_what_the_gpu_machine_has(tmp
         "no host sync, anchor forward on a prebuilt layout": "SKIP"}
     assert all("CUDA" in r["detail"] for r in results["paths"] if r["status"] == "SKIP")
     assert "## The GPU suite on one cpu (" in (out / "results.md").read_text()
+    # bench_train.py's printed table (the one the README quotes), as the smollm2 part printed it: a row per run,
+    # tokens/s from the step time, the ratio to full from the rows, then the attention path each type took
+    printed = (out / "smollm2.log").read_text().splitlines()
+    table = [line.split() for line in printed if line.strip().startswith("256 ")]
+    assert [(row[1], row[3]) for row in table] == [("full", "merge"), ("anchor", "merge"), ("intra_doc", "merge"),
+                                                   ("anchor", "kv_copy")], printed
+    assert [line for line in printed if line.startswith("attention: ")] == [
+        f"attention: {kind}: cpu (torch's CPU flash attention)" for kind in ("anchor", "full", "intra_doc")]
+    full_tokens_per_s = float(table[0][8])
+    for _, _, backend, _, layers, recompute, _, step_s, tokens_per_s, ratio, tflops, mfu, hfu, peak in table:
+        assert (backend, layers, recompute) == ("cpu", "4", "0")
+        assert abs(float(tokens_per_s) - 256 / float(step_s)) <= 1 + 0.01 * float(tokens_per_s)
+        assert abs(float(ratio) - float(tokens_per_s) / full_tokens_per_s) <= 0.01 + 0.01 * float(ratio)
+        assert float(tflops) > 0 and 0 < float(mfu.rstrip("%")) and float(peak) > 0
+        assert float(hfu.rstrip("%")) >= float(mfu.rstrip("%"))  # HFU adds recomputation (none here: equal)
     imported = set().union(*(set(p.read_text().split()) for p in log.glob("*.txt")))
     needed = _outside_the_standard_library(imported)
     unchecked = {name for name in needed if not any(name == package or name.startswith(package + ".")

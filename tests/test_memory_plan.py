@@ -1,5 +1,6 @@
 """The memory planner against what Megatron-Core's engine allocates, and ``nemo-anchor plan``."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,30 +18,47 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB = 384
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, seq_length=64)
 
-# every case of one process count in one launch: argv = JSON [[precision, tensor], ...], model, output folder
+# every case of one process count in one launch: argv = JSON [[precision, tensor], ...], model, output folder,
+# process count; several ranks are forked from this process once it has imported the engine (tests/forked_ranks.py)
 _MEASURE = r'''
-import json, sys, torch, torch.distributed as dist
-from nemo_anchor.model.config import ModelConfig
-from nemo_anchor.parallel.distributed import initialize_parallel
-from nemo_anchor.training.config import RunConfig, TrainerConfig
-from nemo_anchor.training.engine import build_engine, train_step
-from nemo_anchor.training.memory import state_bytes
-cases, model, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
-for precision, tensor in cases:
-    ctx = initialize_parallel(tensor_parallel_size=tensor)
-    config = RunConfig(model=ModelConfig(**model, tensor_model_parallel_size=tensor),
-                       trainer=TrainerConfig(precision=precision, global_batch_size=ctx.data_parallel_size))
-    engine = build_engine(config, ctx, 384)
-    T = model["seq_length"]
-    tokens = torch.randint(0, 384, (1, T))
-    batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T),
-                 position_ids=torch.arange(T)[None], cu_seqlens=torch.tensor([0, T // 3, T], dtype=torch.int32),
-                 cu_windows=torch.tensor([0, T], dtype=torch.int32))
-    train_step(engine, config, [batch])  # Adam's moments exist after the first step
-    b = state_bytes(engine)
-    with open(f"{out}/{precision}_tp{tensor}_rank{dist.get_rank()}.json", "w") as f:  # their stdout interleaves
-        json.dump([dist.get_rank(), ctx.data_parallel_rank, b.weights, b.gradients, b.optimizer], f)
-    del engine
+import json, sys
+
+
+def measure(cases, model, out):
+    import torch, torch.distributed as dist
+    from nemo_anchor.model.config import ModelConfig
+    from nemo_anchor.parallel.distributed import initialize_parallel
+    from nemo_anchor.training.config import RunConfig, TrainerConfig
+    from nemo_anchor.training.engine import build_engine, train_step
+    from nemo_anchor.training.memory import state_bytes
+
+    for precision, tensor in cases:
+        ctx = initialize_parallel(tensor_parallel_size=tensor)
+        config = RunConfig(model=ModelConfig(**model, tensor_model_parallel_size=tensor),
+                           trainer=TrainerConfig(precision=precision, global_batch_size=ctx.data_parallel_size))
+        engine = build_engine(config, ctx, 384)
+        T = model["seq_length"]
+        tokens = torch.randint(0, 384, (1, T))
+        batch = dict(tokens=tokens, labels=tokens.roll(-1, 1), loss_mask=torch.ones(1, T),
+                     position_ids=torch.arange(T)[None], cu_seqlens=torch.tensor([0, T // 3, T], dtype=torch.int32),
+                     cu_windows=torch.tensor([0, T], dtype=torch.int32))
+        train_step(engine, config, [batch])  # Adam's moments exist after the first step
+        b = state_bytes(engine)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(f"{out}/{precision}_tp{tensor}_rank{rank}.json", "w") as f:  # their stdout interleaves
+            json.dump([rank, ctx.data_parallel_rank, b.weights, b.gradients, b.optimizer], f)
+        del engine
+
+
+if __name__ == "__main__":  # dist_checkpointing's spawn-context workers re-import this module
+    import nemo_anchor.training.engine  # noqa: F401  (imported once, before the ranks are forked)
+    from forked_ranks import run_ranks
+
+    cases, model, out, processes = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    if processes == 1:
+        measure(cases, model, out)
+    else:
+        run_ranks(processes, measure, cases, model, out)
 '''
 # (processes, precision, tensor): the cases of one process count share its launch
 CASES = [(1, "bf16", 1), (1, "fp32", 1), (2, "bf16", 1), (2, "fp32", 2)]
@@ -53,16 +71,15 @@ def measure(tmp_path_factory):
     out = tmp_path_factory.mktemp("measured")
     script = out / "measure.py"
     script.write_text(_MEASURE)
-    env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}  # the script imports tests/forked_ranks.py
     done = set()
 
     def ranks(processes: int, precision: str, tensor: int) -> list[list[int]]:
         if processes not in done:
-            launcher = [sys.executable] if processes == 1 else [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
             cases = [[p, t] for n, p, t in CASES if n == processes]
-            proc = subprocess.run([*launcher, str(script), json.dumps(cases), json.dumps(MODEL), str(out)],
-                                  capture_output=True, text=True, timeout=600, env=env)
+            proc = subprocess.run([sys.executable, str(script), json.dumps(cases), json.dumps(MODEL), str(out),
+                                   str(processes)], capture_output=True, text=True, timeout=600, env=env)
             assert proc.returncode == 0, proc.stderr[-3000:]
             done.add(processes)
         return [json.loads(path.read_text()) for path in sorted(out.glob(f"{precision}_tp{tensor}_rank*.json"))]

@@ -3,9 +3,9 @@
 The script runs as Slurm runs a batch script (bash, with the job's variables); ``srun``, ``scontrol`` and
 ``python`` (which runs scripts/slurm/torchrun.py, torchrun) on its PATH are the thinnest stand-ins that keep what
 the script is responsible for: srun runs its command once, as a one-node job's task, and python records the
-arguments it was given. tests/test_slurm_cluster.py and tests/bridge/test_bridge_slurm.py run them on a real
-Slurm cluster. What torchrun and the
-trainer do with them is tested elsewhere (tests/test_cluster.py).
+arguments it was given. tests/test_slurm_cluster.py and tests/bridge/test_bridge_slurm.py run the scripts on a real
+Slurm cluster. What torchrun and the trainer do with the signals is tested elsewhere (tests/test_stop_save.py,
+tests/test_cluster.py).
 """
 import os
 import stat

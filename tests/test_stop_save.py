@@ -148,7 +148,9 @@ def test_group_sigterm_mid_step_saves_the_last_completed_step_without_reading_an
     for path in checkpoints:
         assert json.loads((path / checksums.CHECKSUMS).read_text())[checksums.RECORDED] == checksums.AS_WRITTEN
         assert not (path / ckpt.PENDING).exists()
-    assert f"saved {run / 'checkpoints' / f'iter_{completed:07d}'} at step {completed}" in output
+    assert f"stop requested (SIGTERM): saved {run / 'checkpoints' / f'iter_{completed:07d}'} at step {completed}" \
+        in output
+    assert "BrokenPipeError" not in output  # the group signal reached Megatron's writer processes too: they survive it
 
     # the same command resumes, verifying them, and continues as if never interrupted
     capsys.readouterr()
