@@ -436,9 +436,8 @@ class Trainer:
         # pending when this save (or the abandoned pass of the one in flight) left them; an earlier save's finished
         # pass, or the resume, recorded them
         checksums_when = "when the run resumes" if (saved / ckpt.PENDING).is_file() else "already"
-        logger.write(f"stop requested ({stop.signal_name or 'by another rank'}): saved {saved} at step {self.step} "
-                     f"in {time.perf_counter() - stopped_at:.1f} s (its checksums are recorded {checksums_when}); "
-                     f"run the same command again to resume")
+        logger.write(preemption.stop_line(stop.signal_name, saved, self.step, time.perf_counter() - stopped_at,
+                                          f" (its checksums are recorded {checksums_when})"))
         return saved
 
     def _state_bytes_per_rank(self) -> dict[str, list[int]]:

@@ -42,6 +42,15 @@ from typing import Iterator
 # exit status of a run stopped by a signal after saving its checkpoint (EX_TEMPFAIL: run it again to resume)
 EXIT_INTERRUPTED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+RUN_AGAIN = "run the same command again to resume"
+
+
+def stop_line(signal_name: str | None, saved, step: int, seconds: float, detail: str = "",
+              then: str = RUN_AGAIN) -> str:
+    """The one line every door ends a planned stop with: the signal, the checkpoint saved and the step it holds, how
+    long the save took (``detail`` after it), and what comes next (``then``)."""
+    return (f"stop requested ({signal_name or 'by another rank'}): saved {saved} at step {step} in {seconds:.1f} s"
+            f"{detail}; {then}")
 
 
 class StopRequest:

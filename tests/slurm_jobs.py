@@ -1,0 +1,49 @@
+"""Jobs on the local Slurm cluster (the ``slurm_cluster`` fixture, ``scripts/slurm/local_cluster.sh``): what the
+Slurm tests ask slurmctld and how they wait for it. ``env``: an environment with the cluster's ``SLURM_CONF``."""
+import os
+import re
+import subprocess
+import time
+
+WAIT_S = 600  # how long any one wait gives up after (a step logged, a job state reached)
+SPARE = f"anchor{os.environ.get('LOCAL_CLUSTER_TAG', '')}-n3"  # the third node: idle while a two-node job runs
+
+
+def scontrol(env, *args) -> str:
+    return subprocess.run(["scontrol", *args], env=env, capture_output=True, text=True, check=True,
+                          timeout=60).stdout
+
+
+def job_fields(env, job: str) -> dict[str, str]:
+    """``job``'s fields (JobState, Restarts, NodeList, ...); JobState PURGED once slurmctld forgot it."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
+                           timeout=60)
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout)) if shown.returncode == 0 else {"JobState": "PURGED"}
+
+
+def job_nodes(env, job: str) -> list[str]:
+    """The hostnames ``job`` runs (or last ran) on, the batch host first."""
+    return scontrol(env, "show", "hostnames", job_fields(env, job)["NodeList"]).split()
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.time() + WAIT_S
+    while not condition():
+        assert time.time() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.5)
+
+
+def requeued(env, job: str, restarts: int) -> None:
+    """Wait for ``job``'s requeue number ``restarts``, then start it now (a requeued job waits ~2 min otherwise)."""
+    wait_until(lambda: (lambda state: state["JobState"] == "PENDING" and state.get("Restarts") == str(restarts))(
+        job_fields(env, job)), f"job {job}'s requeue {restarts}")
+    scontrol(env, "update", f"jobid={job}", "StartTime=now")
+
+
+def cancel_and_wait(env, jobs: list[str]) -> None:
+    """``scancel`` each of ``jobs`` and wait until none is queued or running any more."""
+    for job in jobs:
+        subprocess.run(["scancel", job], env=env, timeout=60)
+    for job in jobs:
+        wait_until(lambda: job_fields(env, job)["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"),
+                   f"job {job} to end")
