@@ -29,16 +29,16 @@ LAUNCH_TESTS=(
   tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
   tests/test_gpu_suite.py tests/test_million_token_window.py
 )
-# train.sbatch on a real local Slurm cluster: mostly waiting on the scheduler (~8 min wall, ~180 CPU s), so a lane
-# of its own, started first
-SLURM_TESTS=(tests/test_slurm_cluster.py)
+# train.sbatch and NeMo-Run's SlurmExecutor on a real local Slurm cluster: mostly waiting on the scheduler (~12 min
+# wall, ~410 CPU s), so a lane of its own, started first
+SLURM_TESTS=(tests/test_slurm_cluster.py tests/test_slurm_nemo.py)
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
 # spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 LOGS="$(mktemp -d)"
 background=()
 # Debian packages some tests need, installed here when root and missing; without them (or root) those tests skip,
-# saying why: slurm-wlm and munge for the local Slurm cluster of tests/test_slurm_cluster.py
+# saying why: slurm-wlm and munge for the local Slurm cluster of tests/test_slurm_*.py
 # (scripts/slurm/local_cluster.sh), strace for the publish order of tests/test_checkpoint_durability.py
 if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
     ! { command -v slurmctld && command -v munged && command -v strace; } > /dev/null; then
