@@ -4,7 +4,9 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 
+LOCAL_CLUSTER = Path(__file__).resolve().parents[1] / "scripts/slurm/local_cluster.sh"
 WAIT_S = 600  # how long any one wait gives up after (a step logged, a job state reached)
 SPARE = f"anchor{os.environ.get('LOCAL_CLUSTER_TAG', '')}-n3"  # the third node: idle while a two-node job runs
 
@@ -47,3 +49,17 @@ def cancel_and_wait(env, jobs: list[str]) -> None:
     for job in jobs:
         wait_until(lambda: job_fields(env, job)["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"),
                    f"job {job} to end")
+
+
+def kill_node(cluster: Path, node: str) -> None:
+    """A node failure: ``node``'s slurmd and every process on it SIGKILLed (``local_cluster.sh kill-node``)."""
+    subprocess.run(["bash", str(LOCAL_CLUSTER), "kill-node", str(cluster), node[-1]], check=True, timeout=60)
+
+
+def revive_down_nodes(cluster: Path, env) -> None:
+    """Every node Slurm has down (a test killed it) back in service (``local_cluster.sh revive-node``), so that the
+    next test on the shared cluster has its spare again."""
+    down = subprocess.run(["sinfo", "-h", "-t", "down", "-o", "%N"], env=env, capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip()
+    for node in scontrol(env, "show", "hostnames", down).split() if down else []:
+        subprocess.run(["bash", str(LOCAL_CLUSTER), "revive-node", str(cluster), node[-1]], check=True, timeout=120)

@@ -28,7 +28,8 @@ import yaml
 
 from nemo_anchor.cli import main
 from nemo_anchor.run_dir import RunDir, checkpoint_step
-from slurm_jobs import SPARE, cancel_and_wait, job_fields, job_nodes, requeued, scontrol, wait_until  # tests/slurm_jobs
+from slurm_jobs import (SPARE, cancel_and_wait, job_fields, job_nodes, kill_node, requeued, revive_down_nodes,  # tests/
+                        scontrol, wait_until)
 from tiny_runs import REPO, child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
 
 # each job's trainer.max_steps: far more than the events below need, so that none comes after the run's end however
@@ -50,11 +51,13 @@ def setup(slurm_cluster, tmp_path_factory):
 
 
 @pytest.fixture
-def jobs(setup):
-    """Jobs a test submits; any still queued or running at its end is cancelled (and waited for)."""
+def jobs(setup, slurm_cluster):
+    """Jobs a test submits; any still queued or running at its end is cancelled (and waited for), and a node the test
+    killed is started again."""
     submitted: list[str] = []
     yield submitted
     cancel_and_wait(setup[2], submitted)
+    revive_down_nodes(slurm_cluster, setup[2])
 
 
 def _submit(setup, jobs, *overrides, nodes: int = 2, config: Path | None = None) -> tuple[str, Path]:
@@ -154,8 +157,7 @@ def test_time_limit_signal_requeues_and_a_killed_node_is_replaced_by_the_spare(s
     assert SPARE not in nodes
     newest = checkpoint_step(RunDir(run).list_checkpoints()[-1])
     killed = nodes[1]  # not the batch host: the survivor's srun waits until Slurm marks the node down
-    subprocess.run(["bash", str(SLURM / "local_cluster.sh"), "kill-node", str(slurm_cluster), killed[-1]],
-                   check=True, timeout=60)
+    kill_node(slurm_cluster, killed)
     wait_until(lambda: job_fields(env, job).get("Restarts") == "2", f"job {job}'s requeue after the node failure")
     last = checkpoint_step(RunDir(run).list_checkpoints()[-1]) + MORE
     config.write_text(config.read_text().replace(f"max_steps: {LONG}", f"max_steps: {last}"))

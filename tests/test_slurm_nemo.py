@@ -18,14 +18,17 @@ Each step is paced to 0.5 s (tests/paced_steps.py, sleeping) so that the signal 
 """
 import importlib.util
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from slurm_jobs import SPARE, cancel_and_wait, job_fields, job_nodes, requeued, wait_until  # tests/slurm_jobs.py
+from slurm_jobs import (SPARE, cancel_and_wait, job_fields, job_nodes, kill_node, requeued,  # tests/slurm_jobs.py
+                        revive_down_nodes, wait_until)
 from tiny_runs import REPO, child_environment, pack_texts  # tests/tiny_runs.py
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nemo") is None, reason="NeMo is not installed")
@@ -103,9 +106,13 @@ def _task_log(jobs_dir: Path, job: str, restart: int) -> str:
 
 @pytest.fixture
 def jobs(slurm_cluster):
+    """Jobs the test submits: cancelled (and waited for) if still queued or running at its end; then a node the test
+    killed is started again."""
     submitted: list[str] = []
     yield submitted
-    cancel_and_wait(child_environment(SLURM_CONF=str(slurm_cluster / "slurm.conf")), submitted)
+    env = child_environment(SLURM_CONF=str(slurm_cluster / "slurm.conf"))
+    cancel_and_wait(env, submitted)
+    revive_down_nodes(slurm_cluster, env)
 
 
 def test_nemo_run_slurm_executor_requeues_on_the_time_limit_and_a_killed_node_resumes_on_the_spare(
@@ -119,7 +126,7 @@ def test_nemo_run_slurm_executor_requeues_on_the_time_limit_and_a_killed_node_re
     with submit_log.open("w") as out:
         submit = subprocess.Popen([sys.executable, "-c", SUBMIT, str(pack_texts(tmp_path)), str(log_dir),
                                    str(reference_dir), str(jobs_dir), str(STEPS)],
-                                  env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+                                  env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         def submitted():
             assert submit.poll() in (None, 0), submit_log.read_text()[-3000:]
@@ -152,8 +159,7 @@ def test_nemo_run_slurm_executor_requeues_on_the_time_limit_and_a_killed_node_re
         nodes, batch_host = job_nodes(env, job), job_fields(env, job)["BatchHost"]
         assert SPARE not in nodes
         killed = next(node for node in nodes if node != batch_host)
-        subprocess.run(["bash", str(REPO / "scripts/slurm/local_cluster.sh"), "kill-node", str(slurm_cluster),
-                        killed[-1]], check=True, timeout=60)
+        kill_node(slurm_cluster, killed)
         wait_until(lambda: job_fields(env, job).get("Restarts") == "2", f"job {job}'s requeue after the node failure")
         newest = _checkpoints(log_dir)[-1]  # the newest intact one the failure left
         assert _step(newest) > _step(stop_checkpoint)
@@ -168,8 +174,8 @@ def test_nemo_run_slurm_executor_requeues_on_the_time_limit_and_a_killed_node_re
         submit.wait(timeout=600)
         assert submit.returncode == 0, submit_log.read_text()[-3000:]
     finally:
-        if submit.poll() is None:
-            submit.kill()
+        if submit.poll() is None:  # with the processes it started (Megatron's checkpoint writer forks a Manager)
+            os.killpg(submit.pid, signal.SIGKILL)
             submit.wait()
     losses, reference = _metrics(log_dir), _metrics(reference_dir)
     assert sorted(losses) == sorted(reference) == list(range(1, STEPS + 1))
