@@ -36,9 +36,17 @@ def wait_until(condition, what: str) -> None:
 
 
 def requeued(env, job: str, restarts: int) -> None:
-    """Wait for ``job``'s requeue number ``restarts``, then start it now (a requeued job waits ~2 min otherwise)."""
+    """Wait for ``job``'s requeue number ``restarts``, then start it now (a requeued job waits ~2 min otherwise).
+
+    Not before every node has ended the job's previous run (none COMPLETING), and a second later: the slurmd that
+    ends it revokes the job's credential, and a credential issued before that, or in the same second, is refused
+    ("Killing non-startable batch job: Job credential revoked", the job FAILED). Slurm's own wait avoids that."""
     wait_until(lambda: (lambda state: state["JobState"] == "PENDING" and state.get("Restarts") == str(restarts))(
         job_fields(env, job)), f"job {job}'s requeue {restarts}")
+    wait_until(lambda: not subprocess.run(["sinfo", "-h", "-t", "completing", "-o", "%N"], env=env, capture_output=True,
+                                          text=True, check=True, timeout=60).stdout.strip(),
+               f"the nodes to end job {job}'s previous run")
+    time.sleep(1.5)
     scontrol(env, "update", f"jobid={job}", "StartTime=now")
 
 
