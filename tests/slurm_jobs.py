@@ -17,10 +17,17 @@ def scontrol(env, *args) -> str:
 
 
 def job_fields(env, job: str) -> dict[str, str]:
-    """``job``'s fields (JobState, Restarts, NodeList, ...); JobState PURGED once slurmctld forgot it."""
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
-                           timeout=60)
-    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout)) if shown.returncode == 0 else {"JobState": "PURGED"}
+    """``job``'s fields (JobState, Restarts, NodeList, ...); JobState PURGED once slurmctld forgot it. scontrol is
+    asked again when it could not reach slurmctld (a busy controller on a loaded machine times out now and then)."""
+    for _ in range(10):
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
+                               timeout=60)
+        if shown.returncode == 0:
+            return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+        if "Invalid job id" in shown.stderr:
+            return {"JobState": "PURGED"}
+        time.sleep(1)
+    raise AssertionError(f"scontrol show job {job} failed 10 times: {shown.stderr.strip()}")
 
 
 def job_nodes(env, job: str) -> list[str]:
