@@ -29,8 +29,8 @@ LAUNCH_TESTS=(
   tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
   tests/test_gpu_suite.py tests/test_million_token_window.py
 )
-# train.sbatch and NeMo-Run's SlurmExecutor on a real local Slurm cluster: mostly waiting on the scheduler (~12 min
-# wall, ~410 CPU s), so a lane of its own, started first
+# train.sbatch and NeMo-Run's SlurmExecutor on a real local Slurm cluster: mostly waiting on the scheduler (~5 min
+# wall alone, ~460 CPU s with the cluster's), so a lane of its own, started first
 SLURM_TESTS=(tests/test_slurm_cluster.py tests/test_slurm_nemo.py)
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
 # spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).
