@@ -4,8 +4,8 @@
 #   .venv-bridge  the Megatron-Bridge tests and our trainer / pack / export-hf / probe / eval tests on
 #                 megatron-core 0.19.2 + transformers 5 (BRIDGE_TESTS below)
 # NEMO_ANCHOR_SKIP_BRIDGE=1 skips the .venv-bridge lane for quick local runs; CI (CI=true) always runs it.
-# Five pytest lanes go side by side on the two cores, a sixth after the Slurm lane (docs/testing.md says why and
-# what each costs); the first prints live, the others' outputs follow it. Each ends with its 15 slowest tests.
+# Seven pytest lanes go side by side on the two cores, three of them mostly waiting on Slurm (docs/testing.md says
+# why and what each costs); the first prints live, the others' outputs follow it. Each ends with its 15 slowest tests.
 # The exit status is non-zero when any lane fails; the last line adds them up.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
@@ -28,21 +28,22 @@ NEMO_RUN_TESTS=(tests/test_nemo_run.py)
 # new processes: the other half of .venv's CPU seconds (docs/testing.md)
 LAUNCH_TESTS=(
   tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_hung_rank.py
-  tests/test_stop_save.py tests/test_gpu_suite.py tests/test_million_token_window.py tests/test_bench_scripts.py tests/test_gpu_expected.py
+  tests/test_stop_save.py tests/test_gpu_suite.py tests/test_million_token_window.py tests/test_bench_scripts.py
+  tests/test_gpu_expected.py
 )
-# train.sbatch on a real local Slurm cluster: mostly waiting on the scheduler (~8 min wall, ~180 CPU s), so a lane
-# of its own, started first
+# Each front door's Slurm script on a real Slurm cluster on this machine (scripts/slurm/local_cluster.sh): mostly
+# waiting on the scheduler, so lanes of their own, started first, each with a cluster of its own (with_cluster below),
+# side by side: train.sbatch, NeMo-Run's SlurmExecutor (.venv), bridge.sbatch (.venv-bridge)
 SLURM_TESTS=(tests/test_slurm_cluster.py)
-# bridge.sbatch on the same cluster's folder, in .venv-bridge (3-5 min wall, ~130 CPU s): a lane that waits for the
-# Slurm lane (one pytest session, one cluster at a time there: flock on the folder's lock file)
-BRIDGE_SLURM_TESTS=(tests/bridge/test_bridge_slurm.py)
+SLURM_NEMO_TESTS=(tests/test_slurm_nemo.py)
+SLURM_BRIDGE_TESTS=(tests/bridge/test_bridge_slurm.py)
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
 # spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 LOGS="$(mktemp -d)"
 background=()
 # Debian packages some tests need, installed here when root and missing; without them (or root) those tests skip,
-# saying why: slurm-wlm and munge for the local Slurm cluster of tests/test_slurm_cluster.py
+# saying why: slurm-wlm and munge for the local Slurm cluster of tests/test_slurm_*.py
 # (scripts/slurm/local_cluster.sh), strace for the publish order of tests/test_checkpoint_durability.py
 if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
     ! { command -v slurmctld && command -v munged && command -v strace; } > /dev/null; then
@@ -51,42 +52,46 @@ if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
     || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge strace) >> "$LOGS/apt.log" 2>&1 \
     || { echo "[test] apt-get could not install slurm-wlm munge strace: their tests skip"; tail -3 "$LOGS/apt.log"; }
 fi
-export NEMO_ANCHOR_SLURM_DIR="$LOGS/slurm"
-SLURM_LOCK="$LOGS/slurm.lock"
 LOCAL_CLUSTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/slurm/local_cluster.sh"
 # the background lanes have sessions of their own: stopped with all their processes if this script stops first;
-# the Slurm cluster is brought down even if its lane could not
+# the Slurm clusters are brought down even if their lanes could not
 trap 'for pid in "${background[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
-      bash "$LOCAL_CLUSTER" down "$NEMO_ANCHOR_SLURM_DIR"; rm -rf "$LOGS"' EXIT
+      for cluster in "$LOGS"/slurm-*; do [ ! -d "$cluster" ] || bash "$LOCAL_CLUSTER" down "$cluster"; done
+      rm -rf "$LOGS"' EXIT
 
 pytest_args=(-q -p no:cacheprovider --durations=15)
-in_background() {  # in_background NAME [flock LOCK] PYTHON ARGS...: pytest in its own session, output in $LOGS/NAME.log
-  local name="$1" lock=()
-  shift
-  [ "$1" != flock ] || { lock=(flock "$2"); shift 2; }
-  local python="$1"
-  shift
-  setsid "${lock[@]}" "$python" -m pytest "${pytest_args[@]}" "$@" > "$LOGS/$name.log" 2>&1 < /dev/null &
+in_background() {  # in_background NAME PYTHON ARGS...: pytest in its own session, output in $LOGS/NAME.log
+  local name="$1" python="$2"
+  shift 2
+  setsid "$python" -m pytest "${pytest_args[@]}" "$@" > "$LOGS/$name.log" 2>&1 < /dev/null &
   background+=("$!")
   echo "[test] $name: running in the background; its output follows"
 }
+with_cluster() {  # with_cluster N COMMAND...: COMMAND with local Slurm cluster N of its own (tests/conftest.py's
+  local n="$1"    # slurm_cluster starts it in NEMO_ANCHOR_SLURM_DIR: its tag, /24 and port differ from the others')
+  shift
+  LOCAL_CLUSTER_TAG="c$n" LOCAL_CLUSTER_NET="10.77.$n" LOCAL_CLUSTER_PORT="$((16817 + 10 * n))" \
+    NEMO_ANCHOR_SLURM_DIR="$LOGS/slurm-$n" "$@"
+}
 
-in_background venv-slurm flock "$SLURM_LOCK" python "${SLURM_TESTS[@]}" "$@"
+with_cluster 0 in_background venv-slurm python "${SLURM_TESTS[@]}" "$@"
+with_cluster 1 in_background venv-slurm-nemo python "${SLURM_NEMO_TESTS[@]}" "$@"
 if [ "${NEMO_ANCHOR_SKIP_BRIDGE:-0}" = 1 ] && [ "${CI:-false}" != true ]; then
   echo "[test] NEMO_ANCHOR_SKIP_BRIDGE=1: .venv-bridge not run"
 else
   setup_bridge_env
-  in_background venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}" "${BRIDGE_SLURM_TESTS[@]/#/--ignore=}"
-  in_background venv-bridge-slurm flock "$SLURM_LOCK" .venv-bridge/bin/python "${BRIDGE_SLURM_TESTS[@]}"
+  with_cluster 2 in_background venv-slurm-bridge .venv-bridge/bin/python "${SLURM_BRIDGE_TESTS[@]}"
+  in_background venv-bridge .venv-bridge/bin/python "${BRIDGE_TESTS[@]}" "${SLURM_BRIDGE_TESTS[@]/#/--ignore=}"
 fi
 echo "[test] environments ready after ${SECONDS}s"
 in_background venv-nemo-run python "${NEMO_RUN_TESTS[@]}" "$@"
 in_background venv-launch python "${LAUNCH_TESTS[@]}" "$@"
-venv_lanes=("${background[0]}" "${background[@]: -2}")  # -k may leave one of these with no test: exit 5 is fine
+# -k may leave one of these .venv lanes with no test: exit 5 is fine
+venv_lanes=("${background[0]}" "${background[1]}" "${background[@]: -2}")
 set +e
 status=0
 python -m pytest "${pytest_args[@]}" tests "${NEMO_RUN_TESTS[@]/#/--ignore=}" "${LAUNCH_TESTS[@]/#/--ignore=}" \
-  "${SLURM_TESTS[@]/#/--ignore=}" "$@" \
+  "${SLURM_TESTS[@]/#/--ignore=}" "${SLURM_NEMO_TESTS[@]/#/--ignore=}" "${SLURM_BRIDGE_TESTS[@]/#/--ignore=}" "$@" \
   2>&1 | tee "$LOGS/venv.log"
 code="${PIPESTATUS[0]}"
 [ "$code" = 0 ] || { [ "$code" = 5 ] && [ $# -gt 0 ]; } || status=1

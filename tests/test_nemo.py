@@ -483,3 +483,27 @@ def test_the_logger_holds_the_lock_where_other_runs_look_for_it(llm, tmp_path):
         assert [Path(f).name for f in app_state.files_to_move] == ["nemo_log_globalrank-0_localrank-0.txt"]
     finally:
         run_guard._claim(app_state.log_dir).release(failed=False)
+
+
+def test_nemos_preemption_plugin_beside_the_recipe_is_refused_in_one_line(llm, packed):
+    """NeMo-Run's PreemptionPlugin adds NeMo's PreemptionCallback (SIGTERM) to the recipe, beside its AnchorPreemption:
+    its handler would replace ours for SIGTERM on rank 0 (ignored on the others), it exits 0 after its save (the job
+    reads as finished and is not requeued) and reads its flag on CUDA. The run is refused before it trains, naming
+    the plugin and what to do instead."""
+    import fiddle as fdl
+    import nemo_run as run
+    from nemo.lightning.run.plugins import PreemptionPlugin
+
+    from nemo_anchor.nemo import recipes
+    from nemo_anchor.nemo.run_guard import AnchorPreemption
+
+    recipe = recipes.anchor_smollm2_135m(data_path=str(packed), seq_length=SEQ)
+    executor = run.SlurmExecutor(account="me", tunnel=run.LocalTunnel(job_dir=""))
+    PreemptionPlugin(preempt_time=120).setup(recipe, executor)
+    assert executor.signal == "15@120"  # the plugin's part on the executor: SIGTERM 2 min before the limit
+    trainer = fdl.build(recipe.trainer)
+    ours = next(callback for callback in trainer.callbacks if isinstance(callback, AnchorPreemption))
+    with pytest.raises(ValueError, match=r"^trainer.callbacks has NeMo's PreemptionCallback \(nemo.lightning.run."
+                                         r"plugins.PreemptionPlugin adds it\) .*: drop the plugin and set the "
+                                         r"executor's signal \(signal=\"USR1@120\"\)$"):
+        ours.setup(trainer, None, "fit")

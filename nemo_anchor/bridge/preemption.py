@@ -17,7 +17,7 @@
   signal that came (``training/train.py:1414`` names SIGTERM whatever it was); Bridge ends the stopped run with
   ``sys.exit(0)``, which its ``pretrain()`` logs as "Pretrain failed ... SystemExit: 0" with a traceback
   (``training/pretrain.py:202``, for any exception): not logged for an exit with status 0; and the run ends with
-  :func:`~nemo_anchor.training.preemption.stopped_and_saved`'s line (signal, checkpoint, run again) and status 75.
+  :func:`~nemo_anchor.training.preemption.stop_line`'s line (signal, checkpoint, run again) and status 75.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from nemo_anchor.bridge.run_guard import guard_of
 from nemo_anchor.launch import global_rank
 from nemo_anchor.training import optimizer_state
 from nemo_anchor.training.preemption import (EXIT_INTERRUPTED, StopRequest, hold_stop_signals, release_stop_signals,
-                                             signals_deferred, stopped_and_saved)
+                                             signals_deferred, stop_line)
 
 # what Bridge says when its exit-signal handler stops the run (training/train.py:1414), whatever the signal, through
 # its barrier_and_log (a barrier, then rank 0 prints)
@@ -200,7 +200,7 @@ def stopping_as_every_door(config) -> Iterator[Callback]:
         if global_rank() == 0:
             step = stops.state.train_state.step
             saved = Path(get_checkpoint_name(config.checkpoint.save, step))
-            print(stopped_and_saved(stops.signal_name(), saved, step) if saved.is_dir() else  # a save refused
+            print(stop_line(stops.signal_name(), saved, step) if saved.is_dir() else  # a save refused
                   f"stop requested ({stops.signal_name() or 'by another rank'}) at step {step}: not saved (see "
                   f"above); run the same command again to resume from {config.checkpoint.save}", flush=True)
         raise SystemExit(EXIT_INTERRUPTED) from None

@@ -18,7 +18,9 @@
   until :class:`AnchorPreemption` installs its handler.
 - :class:`AnchorPreemption`: NeMo's ``PreemptionCallback`` on SIGTERM, SIGINT and SIGUSR1 (Slurm's
   ``--signal=USR1@120``): the step in progress finishes, the last checkpoint is saved and the
-  process exits with ``nemo-anchor train``'s status 75, so the same command resumes.
+  process exits with ``nemo-anchor train``'s status 75, so the same command resumes; rank 0's last line names the
+  signal, the checkpoint and what comes next (NeMo-Run's Slurm script requeues the job while its ``retries`` last).
+  NeMo's own ``PreemptionCallback`` (``PreemptionPlugin`` adds it) beside it is refused.
 
 Our names for NeMo's settings (what the comparison and the messages use)::
 
@@ -30,12 +32,14 @@ Our names for NeMo's settings (what the comparison and the messages use)::
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
 import lightning.pytorch as pl
 import torch
 from nemo import lightning as nl
+from nemo.lightning.ckpt_utils import ckpt_to_dir
 from nemo.lightning.pytorch.callbacks import PreemptionCallback
 from nemo.utils import AppState
 
@@ -44,8 +48,8 @@ from nemo_anchor.convert.sources import check_nemo2_weights, nemo2_tokenizer_dir
 from nemo_anchor.run_dir import LOCK_FILE, RunDir
 from nemo_anchor.run_lease import RunClaim, RunGuard
 from nemo_anchor.training import resume
-from nemo_anchor.training.preemption import (EXIT_INTERRUPTED, STOP_SIGNALS, StopRequest, hold_stop_signals,
-                                             release_stop_signals)
+from nemo_anchor.training.preemption import (EXIT_INTERRUPTED, RUN_AGAIN, STOP_SIGNALS, StopRequest,
+                                             hold_stop_signals, release_stop_signals, stop_line)
 
 
 
@@ -257,10 +261,17 @@ class AnchorPreemption(PreemptionCallback):
         self._stop = StopRequest()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Hold the signals back until :meth:`on_train_start`: the data loader's workers, started in between, inherit
+        """Refuse NeMo's own ``PreemptionCallback`` beside this one; hold the signals back until
+        :meth:`on_train_start`: the data loader's workers, started in between, inherit
         the block and never see them (torch's workers die of SIGTERM, torch/utils/data/_utils/worker.py:269, and the
         main process, still saving, then fails on the dead worker; NeMo rebuilds the loader without a
         ``worker_init_fn``, nemo/lightning/data.py:224). Slurm, Kubernetes and torchrun signal the whole group."""
+        others = [type(c).__name__ for c in trainer.callbacks
+                  if isinstance(c, PreemptionCallback) and not isinstance(c, AnchorPreemption)]
+        if others:  # its handler would replace ours for its signal; it exits 0 (not requeued) and reads a CUDA flag
+            raise ValueError(f"trainer.callbacks has NeMo's {others[0]} (nemo.lightning.run.plugins.PreemptionPlugin "
+                             f"adds it) beside the recipe's AnchorPreemption, which saves on SIGTERM, SIGINT and "
+                             f"SIGUSR1 already: drop the plugin and set the executor's signal (signal=\"USR1@120\")")
         if stage == "fit":
             hold_stop_signals()  # held already when AnchorNeMoLogger or AnchorRunGuard took the lock
 
@@ -288,7 +299,29 @@ class AnchorPreemption(PreemptionCallback):
         return bool(flag.item())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        started = time.perf_counter()
         try:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         except SystemExit:  # NeMo's exits 0 after the save: a scheduler would take the run for finished
+            if trainer.is_global_zero:
+                print(stop_line(self._stop.signal_name, ckpt_to_dir(trainer.checkpoint_callback.last_model_path),
+                                trainer.global_step, f" in {time.perf_counter() - started:.1f} s", what_comes_next()),
+                      flush=True)
+            if self.preemption_supported:  # srun ends the other tasks once one exits 75: none goes before that line
+                torch.distributed.barrier()
             raise SystemExit(self.exit_code) from None
+
+
+def what_comes_next() -> str:
+    """What follows a stop's exit: NeMo-Run's Slurm batch script requeues a job that exits non-zero while the
+    executor's ``retries`` (the script's ``TORCHX_MAX_RETRIES``) exceed the job's ``SLURM_RESTART_COUNT``
+    (nemo_run/core/execution/templates/slurm.sh.j2); elsewhere the same command resumes."""
+    job, retries = os.environ.get("SLURM_JOB_ID"), os.environ.get("TORCHX_MAX_RETRIES", "")
+    if not job or not retries.isdigit():
+        return RUN_AGAIN
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if int(retries) > restarts:
+        return (f"NeMo-Run's batch script requeues job {job} (restart {restarts + 1} of retries={retries}), which "
+                f"resumes from it")
+    return (f"job {job} is not requeued (NeMo-Run's executor has retries={retries}, restarts so far {restarts}): "
+            f"{RUN_AGAIN}")

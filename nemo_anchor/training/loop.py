@@ -440,7 +440,7 @@ class Trainer:
         # pending when this save (or the abandoned pass of the one in flight) left them; an earlier save's finished
         # pass, or the resume, recorded them
         checksums_when = "when the run resumes" if (saved / ckpt.PENDING).is_file() else "already"
-        logger.write(preemption.stopped_and_saved(
+        logger.write(preemption.stop_line(
             stop.signal_name, saved, self.step,
             f" in {time.perf_counter() - stopped_at:.1f} s (its checksums are recorded {checksums_when})"))
         return saved

@@ -14,7 +14,7 @@ The public API, for any front door::
             if agreed(stop.requested):     # e.g. an all_reduce(MAX) of the flag
                 with signals_deferred():    # the save's helper processes survive a group signal
                     checkpoint = save()
-                print(stopped_and_saved(stop.signal_name, checkpoint, step))  # one line: what, where, what next
+                print(stop_line(stop.signal_name, checkpoint, step))  # one line: what, where, what next
                 sys.exit(EXIT_INTERRUPTED)
 
 :func:`hold_stop_signals` closes the window between a run's first change of its folder (its lease) and its stop
@@ -43,13 +43,14 @@ from typing import Iterator
 # exit status of a run stopped by a signal after saving its checkpoint (EX_TEMPFAIL: run it again to resume)
 EXIT_INTERRUPTED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+RUN_AGAIN = "run the same command again to resume"
 
 
-def stopped_and_saved(signal_name: str | None, saved, step: int, detail: str = "") -> str:
-    """The line every front door ends a planned stop with: the signal (None: another rank's), the checkpoint saved,
-    what comes next (``detail``: the door's own, after the step)."""
-    return (f"stop requested ({signal_name or 'by another rank'}): saved {saved} at step {step}{detail}; "
-            f"run the same command again to resume")
+def stop_line(signal_name: str | None, saved, step: int, detail: str = "", then: str = RUN_AGAIN) -> str:
+    """The one line every front door ends a planned stop with: the signal (None: another rank's), the checkpoint
+    saved and the step it holds (``detail`` after it: the door's own, e.g. how long the save took), and what comes
+    next (``then``)."""
+    return f"stop requested ({signal_name or 'by another rank'}): saved {saved} at step {step}{detail}; {then}"
 
 
 class StopRequest:

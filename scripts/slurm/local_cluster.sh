@@ -6,6 +6,7 @@
 #   scripts/slurm/local_cluster.sh up DIR [NODES]   start it (3 nodes by default); prints the SLURM_CONF to export
 #   scripts/slurm/local_cluster.sh down DIR         stop and remove everything that `up DIR` made (idempotent)
 #   scripts/slurm/local_cluster.sh kill-node DIR N  a node failure: SIGKILL node N's slurmd and every process on it
+#   scripts/slurm/local_cluster.sh revive-node DIR N  node N back after kill-node: its slurmd again, until idle
 #   scripts/slurm/local_cluster.sh check            exit 0 if `up` can run here, else print why not and exit 1
 #
 # Everything lives under DIR (config, state, spools, logs, munge key and socket). Outside DIR, `up` adds only
@@ -131,11 +132,7 @@ EOF
   setsid slurmctld -D -c -f "$dir/slurm.conf" > "$dir/log/slurmctld.out" 2>&1 < /dev/null &
   echo "pid $! slurmctld" >> "$dir/made"
   for n in $(seq 1 "$nodes"); do
-    name=$(node_name "$n")
-    setsid nsenter --net="/var/run/netns/$name" unshare -u \
-      sh -c 'hostname "$1"; exec slurmd -D -N "$1" -f "$2"' sh "$name" "$dir/slurm.conf" \
-      > "$dir/log/slurmd-$name.out" 2>&1 < /dev/null &
-    echo "pid $! slurmd $name" >> "$dir/made"
+    start_slurmd "$dir" "$(node_name "$n")"
   done
   export SLURM_CONF=$dir/slurm.conf
   local deadline=$((SECONDS + WAIT_S))
@@ -150,11 +147,34 @@ EOF
 # every process in node NAME's network namespace (its slurmd, slurmstepd and job processes)
 node_pids() { ip netns pids "$1" 2> /dev/null || true; }
 
+# slurmd of node NAME, in its network namespace and a UTS namespace of its own, in the foreground of a session
+start_slurmd() {
+  local dir=$1 name=$2
+  setsid nsenter --net="/var/run/netns/$name" unshare -u \
+    sh -c 'hostname "$1"; exec slurmd -D -N "$1" -f "$2"' sh "$name" "$dir/slurm.conf" \
+    >> "$dir/log/slurmd-$name.out" 2>&1 < /dev/null &
+  echo "pid $! slurmd $name" >> "$dir/made"
+}
+
 kill_node() {
   local dir=$1 name
   name=$(node_name "$2")
   grep -qx "netns $name" "$dir/made" || die "$dir has no node $2"
   node_pids "$name" | xargs -r kill -KILL
+}
+
+# A failed node back in service: its slurmd started again (ReturnToService=2 makes a node that registers idle)
+revive_node() {
+  local dir=$1 name
+  name=$(node_name "$2")
+  grep -qx "netns $name" "$dir/made" || die "$dir has no node $2"
+  [ -z "$(node_pids "$name")" ] || die "node $2 ($name) is not down: processes run in it"
+  start_slurmd "$dir" "$name"
+  local deadline=$((SECONDS + WAIT_S))
+  until [ "$(SLURM_CONF=$dir/slurm.conf sinfo -h -n "$name" -t idle -o '%D' 2> /dev/null)" = 1 ]; do
+    [ $SECONDS -lt $deadline ] || die "node $2 ($name) did not come back within $WAIT_S s; see $dir/log"
+    sleep 0.5
+  done
 }
 
 down() {
@@ -193,6 +213,7 @@ case ${1:-} in
   up) [ $# -ge 2 ] || die "usage: $0 up DIR [NODES]"; up "$2" "${3:-3}" ;;
   down) [ $# -eq 2 ] || die "usage: $0 down DIR"; down "$(cd "$2" 2> /dev/null && pwd || echo "$2")" ;;
   kill-node) [ $# -eq 3 ] || die "usage: $0 kill-node DIR N"; kill_node "$(cd "$2" && pwd)" "$3" ;;
+  revive-node) [ $# -eq 3 ] || die "usage: $0 revive-node DIR N"; revive_node "$(cd "$2" && pwd)" "$3" ;;
   check) why=$(unavailable); [ -z "$why" ] || { echo "$why"; exit 1; } ;;
-  *) die "usage: $0 up DIR [NODES] | down DIR | kill-node DIR N | check" ;;
+  *) die "usage: $0 up DIR [NODES] | down DIR | kill-node DIR N | revive-node DIR N | check" ;;
 esac

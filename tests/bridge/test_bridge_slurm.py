@@ -29,7 +29,8 @@ import pytest
 if importlib.util.find_spec("megatron.bridge") is None:  # checked before nemo_anchor.bridge installs its shims
     pytest.skip("Megatron-Bridge is not installed (scripts/setup_env.sh's .venv-bridge has it)", allow_module_level=True)
 
-from slurm_jobs import SPARE, _job, _requeued, _scontrol, _stop_line, _wait_until  # noqa: E402  tests/slurm_jobs.py
+from slurm_jobs import (SPARE, cancel_and_wait, job_fields, job_nodes, kill_node,  # noqa: E402  tests/slurm_jobs.py
+                        planned_stop_step, requeued, wait_until)
 from tiny_runs import REPO, child_environment, pack_texts  # noqa: E402  tests/tiny_runs.py
 
 # train.train_iters: far more than the events below need, so that none comes after the run's end however slow or
@@ -87,15 +88,15 @@ def test_time_limit_signal_requeues_and_a_killed_node_is_replaced_by_the_spare(s
 
     def trained(step: int):
         def reached():
-            assert _job(env, job)["JobState"] in ("PENDING", "RUNNING"), (_job(env, job), log.read_text()[-3000:])
+            assert job_fields(env, job)["JobState"] in ("PENDING", "RUNNING"), (job_fields(env, job), log.read_text()[-3000:])
             return max(_losses(save), default=0) >= step
-        _wait_until(reached, f"{save} to log step {step}")
+        wait_until(reached, f"{save} to log step {step}")
 
     try:
         trained(3)
         subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=60)
-        _requeued(env, job, 1)
-        signalled_at = _stop_line(log, "requeued, the job runs again and resumes from it")
+        requeued(env, job, 1)
+        signalled_at = planned_stop_step(log, "requeued, the job runs again and resumes from it")
         text = log.read_text()
         assert "[exiting program after receiving SIGUSR1.]" in text
         assert (f"stop requested (SIGUSR1): saved {save / f'iter_{signalled_at:07d}'} at step {signalled_at}; run the "
@@ -103,23 +104,20 @@ def test_time_limit_signal_requeues_and_a_killed_node_is_replaced_by_the_spare(s
         trained(signalled_at + 3)
         assert "Traceback" not in log.read_text() and "Pretrain failed" not in log.read_text(), log.read_text()[-5000:]
 
-        nodes = _scontrol(env, "show", "hostnames", _job(env, job)["NodeList"]).split()
+        nodes = job_nodes(env, job)
         assert SPARE not in nodes
         killed = nodes[1]  # not the batch host: the survivor's srun waits until Slurm marks the node down
-        subprocess.run(["bash", str(SLURM / "local_cluster.sh"), "kill-node", str(slurm_cluster), killed[-1]],
-                       check=True, timeout=60)
-        _wait_until(lambda: _job(env, job).get("Restarts") == "2", f"job {job}'s requeue after the node failure")
+        kill_node(slurm_cluster, killed)
+        wait_until(lambda: job_fields(env, job).get("Restarts") == "2", f"job {job}'s requeue after the node failure")
         newest = _newest(save)
         last = newest + MORE
         config.write_text(config.read_text().replace(f'"max_steps": {LONG}', f'"max_steps": {last}'))
-        _requeued(env, job, 2)
-        _wait_until(lambda: _job(env, job)["JobState"] not in UNFINISHED, f"job {job} to end")
+        requeued(env, job, 2)
+        wait_until(lambda: job_fields(env, job)["JobState"] not in UNFINISHED, f"job {job} to end")
     finally:
-        if _job(env, job)["JobState"] in UNFINISHED:
-            subprocess.run(["scancel", job], env=env, timeout=60)
-            _wait_until(lambda: _job(env, job)["JobState"] not in UNFINISHED, f"job {job} to be cancelled")
-    assert _job(env, job)["JobState"] == "COMPLETED", log.read_text()[-5000:]
-    assert set(_scontrol(env, "show", "hostnames", _job(env, job)["NodeList"]).split()) == {nodes[0], SPARE}
+        cancel_and_wait(env, [job])
+    assert job_fields(env, job)["JobState"] == "COMPLETED", log.read_text()[-5000:]
+    assert set(job_nodes(env, job)) == {nodes[0], SPARE}
     resumed = [int(step) for step in re.findall(r"successfully loaded checkpoint from .* at iteration (\d+)",
                                                 log.read_text())]
     assert resumed == [signalled_at, newest], resumed
