@@ -127,6 +127,23 @@ def _killer(pid: int):
     return kill
 
 
+def _processes_of(run: Path) -> list[int]:
+    """The processes whose command line names ``run``, once every one still ending has ended (up to 60 s)."""
+    def named() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and str(run).encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:  # ended meanwhile
+                continue
+        return pids
+    deadline = time.time() + 60
+    while (left := named()) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(setup, tmp_path, launched, request):
     """SIGSTOP one worker of two (a hung rank, a frozen node): the other fails its collective after
     trainer.distributed_timeout_minutes with one line naming it, torchrun stops the frozen worker (SIGTERM, then
@@ -193,6 +210,7 @@ def test_ft_launcher_restarts_a_hung_rank_in_job_from_the_newest_checkpoint(setu
     launcher.wait(timeout=WAIT_S)
     output = log.read_text()
     assert not Path(f"/proc/{hung}").exists()
+    assert _processes_of(run) == [], "processes of the run outlived it (the killed incarnation's writer Managers?)"
     assert _exit_statuses(exits) == {"rank0": EXIT_PREEMPTED, "rank1": EXIT_PREEMPTED}, output[-3000:]
     assert "Did not get subsequent heartbeat" in output and "will restart worker group" in output, output[-3000:]
     assert "took over the lease" not in output or "its process is gone" in output

@@ -298,3 +298,26 @@ def test_a_stop_at_a_checkpoint_whose_checksums_are_recorded_does_not_call_them_
     assert (saved / checksums.CHECKSUMS).is_file() and not (saved / ckpt.PENDING).exists()
     assert f"stop requested (SIGTERM): saved {saved} at step 2 in " in out, out[-3000:]
     assert "(its checksums are recorded already); run the same command again to resume" in out, out[-3000:]
+
+
+def test_the_checkpoint_writers_manager_ends_with_a_sigkilled_worker():
+    """A launcher SIGKILLs a worker (torchrun's shutdown, ft_launcher's rank monitor before an in-job restart): the
+    Manager it forked for Megatron's checkpoint writer at setup, which ignores the stop signals for good, ends too
+    instead of staying behind with a copy of the worker's memory (one more at every restart)."""
+    script = ("import multiprocessing, os\n"
+              "from nemo_anchor.training.preemption import start_checkpoint_writer_queue\n"
+              "start_checkpoint_writer_queue()\n"
+              "print(' '.join(str(child.pid) for child in multiprocessing.active_children()), flush=True)\n"
+              "os.kill(os.getpid(), 9)\n")
+    worker = subprocess.run([sys.executable, "-c", script], env=child_environment(), capture_output=True, text=True,
+                            timeout=300)
+    assert worker.returncode == -signal.SIGKILL, worker.stderr[-3000:]
+    managers = [int(pid) for pid in worker.stdout.split()]
+    assert len(managers) == 1, worker.stdout
+    deadline = time.time() + 60
+    while Path(f"/proc/{managers[0]}").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    left = Path(f"/proc/{managers[0]}").exists()
+    if left:
+        os.kill(managers[0], signal.SIGKILL)
+    assert not left, "the writer's Manager outlived its SIGKILLed worker"

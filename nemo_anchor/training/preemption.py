@@ -34,9 +34,12 @@ The three front doors stop on the same :data:`STOP_SIGNALS`: ``nemo-anchor train
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import multiprocessing
+import os
 import signal
+import sys
 import threading
 from typing import Iterator
 
@@ -157,10 +160,35 @@ def signals_deferred() -> Iterator[None]:
 
     resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    outer, _deferring.pid = getattr(_deferring, "pid", None), os.getpid()
     try:
         yield
     finally:
+        _deferring.pid = outer
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# While a thread is in signals_deferred(): this process's pid (a child forked by that thread keeps the value)
+_deferring = threading.local()
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_with_the_parent_that_deferred() -> None:
+    """In a child forked inside :func:`signals_deferred`: SIGKILL when the thread that forked it ends.
+
+    Such a child ignores the stop signals for good (the block is inherited), so a parent SIGKILLed by a launcher
+    (torchrun's shutdown, ``ft_launcher``'s rank monitor before an in-job restart) would leave it behind, with a
+    copy of the worker's memory, at every restart: the writer Manager, a save's writer processes."""
+    parent = getattr(_deferring, "pid", None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    _deferring.pid = os.getpid()  # its own children, if any, end with it
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os._exit(1)
+
+
+os.register_at_fork(after_in_child=_end_with_the_parent_that_deferred)
 
 
 def start_checkpoint_writer_queue(mp_mode: str = "fork") -> None:
