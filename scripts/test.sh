@@ -24,18 +24,19 @@ BRIDGE_TESTS=(
 )
 # NeMo's own CLI in new processes (each starts NeMo: 20 s of imports)
 NEMO_RUN_TESTS=(tests/test_nemo_run.py)
-# several-rank launches, signals to torchrun, the GPU suite's CPU smoke, the benchmarks' and the GPU-expected doors'
-# new processes: the other half of .venv's CPU seconds (docs/testing.md)
+# several-rank launches, signals to torchrun, the GPU suite's CPU smoke, the GPU-expected doors' new processes: the
+# other half of .venv's CPU seconds (docs/testing.md)
 LAUNCH_TESTS=(
-  tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_hung_rank.py
-  tests/test_stop_save.py tests/test_gpu_suite.py tests/test_million_token_window.py tests/test_bench_scripts.py
-  tests/test_gpu_expected.py
+  tests/test_parallel_training.py tests/test_context_parallel.py tests/test_cluster.py tests/test_stop_save.py
+  tests/test_gpu_suite.py tests/test_gpu_expected.py
 )
 # Each front door's Slurm script on a real Slurm cluster on this machine (scripts/slurm/local_cluster.sh): mostly
 # waiting on the scheduler, so lanes of their own, started first, each with a cluster of its own (with_cluster below),
 # side by side: train.sbatch, NeMo-Run's SlurmExecutor (.venv), bridge.sbatch (.venv-bridge)
-SLURM_TESTS=(tests/test_slurm_cluster.py)
-SLURM_NEMO_TESTS=(tests/test_slurm_nemo.py)
+# The two .venv ones also take tests that would make the launch lane the last to end: the hung-rank tests (mostly
+# waiting too: timeouts, heartbeats) and the million-token window (one long process)
+SLURM_TESTS=(tests/test_slurm_cluster.py tests/test_million_token_window.py)
+SLURM_NEMO_TESTS=(tests/test_slurm_nemo.py tests/test_hung_rank.py)
 SLURM_BRIDGE_TESTS=(tests/bridge/test_bridge_slurm.py)
 # One thread per process: four lanes (and their launches) already share the two cores, and torch's OpenMP threads
 # spin while they wait for a core: four 2-thread processes took 8x the CPU of four 1-thread ones (docs/testing.md).
